@@ -1,0 +1,139 @@
+"""The Layer base class and the registry keyed by Caffe's type strings.
+
+Lifecycle (Caffe's ``SetUp``): ``__init__`` keeps the LayerParameter, ``setup`` reads params and
+creates ``blobs`` (learnable tensors in ``.caffemodel`` order) for the first bottom shapes,
+``reshape`` returns top shapes for given bottom shapes (called at build and whenever inputs
+change), ``forward`` maps bottom tensors to top tensors with torch ops. Autograd gives backward
+unless Caffe's gradient deliberately differs (then the layer uses an autograd.Function).
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Sequence
+
+import torch
+
+Shape = tuple[int, ...]
+
+LAYERS: dict[str, type["Layer"]] = {}
+
+
+def register(type_name: str):
+    """Class decorator: ``@register("Pooling")`` makes the class the layer for that Caffe type."""
+
+    def wrap(cls):
+        if type_name in LAYERS:
+            raise ValueError(f"layer type {type_name!r} registered twice")
+        cls.type = type_name
+        LAYERS[type_name] = cls
+        return cls
+
+    return wrap
+
+
+def layer_class(type_name: str, layer_name: str = "?") -> type["Layer"]:
+    try:
+        return LAYERS[type_name]
+    except KeyError:
+        raise ValueError(
+            f"Layer '{layer_name}': unknown layer type '{type_name}'. "
+            f"Known types: {', '.join(sorted(LAYERS))}") from None
+
+
+class LayerError(ValueError):
+    """A layer cannot be set up for the shapes it was given; the message names the layer."""
+
+
+class Layer:
+    """One Caffe layer.
+
+    Subclasses set the class attributes below and override ``setup``/``reshape``/``forward``.
+    ``self.blobs`` is the ordered list of parameter tensors (Caffe's ``layer.blobs``).
+    """
+
+    type: ClassVar[str] = ""
+    # Bottom/top counts as Caffe checks them (None: not checked).
+    exact_bottoms: ClassVar[int | None] = None
+    min_bottoms: ClassVar[int | None] = None
+    max_bottoms: ClassVar[int | None] = None
+    exact_tops: ClassVar[int | None] = None
+    min_tops: ClassVar[int | None] = None
+    max_tops: ClassVar[int | None] = None
+    # Loss layers: top[0] gets loss_weight 1 unless the prototxt says otherwise.
+    is_loss: ClassVar[bool] = False
+    # Layers whose top may be the same blob as their bottom without copying (ReLU, BatchNorm...).
+    in_place_ok: ClassVar[bool] = True
+
+    def __init__(self, param, phase: int):
+        self.param = param            # caffe_pb2.LayerParameter
+        self.name: str = param.name
+        self.phase: int = phase       # caffe_pb2.TRAIN (0) or TEST (1)
+        self.blobs: list[torch.Tensor] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def setup(self, bottom_shapes: Sequence[Shape]) -> None:
+        """Read params and create ``self.blobs`` (Caffe's LayerSetUp)."""
+
+    def reshape(self, bottom_shapes: Sequence[Shape]) -> list[Shape]:
+        """Return the top shapes for these bottom shapes; default: tops shaped as bottom 0."""
+        return [tuple(bottom_shapes[0])] * self.num_tops
+
+    def forward(self, bottoms: list[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError(f"{self.type} has no forward")
+
+    # -- backward control ------------------------------------------------------------------
+    def allow_backward(self, bottom_index: int) -> bool:
+        """False for bottoms Caffe never differentiates (labels, indices): Caffe's
+        ``AllowForceBackward``. The net detaches those bottoms."""
+        return True
+
+    # -- helpers ---------------------------------------------------------------------------
+    @property
+    def num_tops(self) -> int:
+        return len(self.param.top)
+
+    def fail(self, msg: str) -> LayerError:
+        """An error naming this layer: ``raise self.fail("...")``."""
+        return LayerError(f"Layer '{self.name}' (type {self.type}): {msg}")
+
+    def check_counts(self, n_bottoms: int, n_tops: int) -> None:
+        def check(what, n, exact, lo, hi):
+            if exact is not None and n != exact:
+                raise self.fail(f"takes {exact} {what} blob(s), got {n}")
+            if lo is not None and n < lo:
+                raise self.fail(f"takes at least {lo} {what} blob(s), got {n}")
+            if hi is not None and n > hi:
+                raise self.fail(f"takes at most {hi} {what} blob(s), got {n}")
+
+        check("bottom", n_bottoms, self.exact_bottoms, self.min_bottoms, self.max_bottoms)
+        check("top", n_tops, self.exact_tops, self.min_tops, self.max_tops)
+
+    def new_blob(self, shape: Sequence[int], filler=None) -> torch.Tensor:
+        """A float32 parameter tensor filled by a FillerParameter (None: zeros)."""
+        from ..fillers import fill
+
+        t = torch.zeros(tuple(int(d) for d in shape), dtype=torch.float32)
+        if filler is not None:
+            fill(t, filler)
+        return t.requires_grad_(True)
+
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}{', ' + self.extra_repr() if self.extra_repr() else ''})"
+
+
+def canonical_axis(axis: int, num_axes: int, who: Layer | None = None) -> int:
+    """Caffe's ``Blob::CanonicalAxisIndex``: negative axes count from the end."""
+    if not -num_axes <= axis < num_axes:
+        msg = f"axis {axis} out of range for a {num_axes}-D blob"
+        raise who.fail(msg) if who is not None else LayerError(msg)
+    return axis + num_axes if axis < 0 else axis
+
+
+def count(shape: Sequence[int], start: int = 0, end: int | None = None) -> int:
+    """Product of ``shape[start:end]`` (Caffe's ``Blob::count``)."""
+    n = 1
+    for d in shape[start:end]:
+        n *= int(d)
+    return n

@@ -1,0 +1,1 @@
+"""Caffe math as pure torch functions (pooling ceil rule, LRN, ...), tested alone."""
