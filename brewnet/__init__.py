@@ -1,2 +1,21 @@
-"""brewnet: Caffe, reborn as a Python toolkit on PyTorch."""
+"""brewnet: Caffe, reborn as a Python toolkit on PyTorch.
+
+``import brewnet as caffe`` gives pycaffe's surface: ``caffe.Net(prototxt, caffe.TEST,
+weights=...)``, ``caffe.set_mode_gpu()``, ``caffe.TRAIN``/``caffe.TEST`` ...
+"""
 __version__ = "0.1.0"
+
+from .proto import caffe_pb2  # noqa: E402
+from .proto.caffe_pb2 import TEST, TRAIN  # noqa: E402
+from .mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed  # noqa: E402
+from .net import Net, NetError  # noqa: E402
+from .layers import LAYERS as _LAYERS  # noqa: E402
+
+
+def layer_type_list() -> list[str]:
+    """Every registered layer type (pycaffe's ``caffe.layer_type_list``)."""
+    return sorted(_LAYERS)
+
+
+__all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "set_mode_cpu", "set_mode_gpu",
+           "set_device", "set_random_seed", "layer_type_list", "__version__"]

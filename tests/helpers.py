@@ -50,3 +50,29 @@ def gradcheck_layer(layer, bottoms, grad_bottoms=None, check_params=True, **kw) 
     kw.setdefault("rtol", 1e-4)
     kw.setdefault("eps", 1e-6)
     return torch.autograd.gradcheck(fn, (*bottoms, *params), **kw)
+
+
+DATA_TYPES = {"Data", "ImageData", "HDF5Data", "WindowData", "AnnotatedData", "Python", "MemoryData"}
+
+
+def swap_data_layers(net_param, shapes_per_layer):
+    """Replace data layers by Input layers, in file order: ``shapes_per_layer[i]`` is the list of
+    top shapes for the i-th data layer. Include/exclude rules are kept."""
+    from brewnet.proto import caffe_pb2 as pb
+
+    out = pb.NetParameter()
+    out.CopyFrom(net_param)
+    del out.layer[:]
+    k = 0
+    for lp in net_param.layer:
+        if lp.type in DATA_TYPES and not lp.bottom:
+            new = pb.LayerParameter(name=lp.name, type="Input", top=lp.top)
+            new.include.extend(lp.include)
+            new.exclude.extend(lp.exclude)
+            for s in shapes_per_layer[k]:
+                new.input_param.shape.add().dim.extend(s)
+            k += 1
+            out.layer.append(new)
+        else:
+            out.layer.append(lp)
+    return out

@@ -1,0 +1,364 @@
+"""Net: a DAG of layers over named blobs, built from a NetParameter for one NetState.
+
+Forward runs the layers in prototxt order with torch ops; backward is autograd, seeded as
+Caffe's backward is: every loss top by its loss weight (stored in the top's diff), every other
+net output by whatever its diff holds. In-place layers (top == bottom) rebind the blob name to the
+new value; the blob's diff is the gradient of the first value bound to the name, as in Caffe.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+from .blob import Blob, ParamBlob
+from .layers import Layer, LayerError, layer_class
+from .passes import filter_net, make_state
+from .proto import caffe_pb2 as pb
+
+log = logging.getLogger("brewnet")
+
+
+class NetError(ValueError):
+    """A net cannot be built or run as asked; the message names the layer, blob and shapes."""
+
+
+def _load_param(source) -> "pb.NetParameter":
+    from .proto.io import read_net
+
+    if isinstance(source, pb.NetParameter):
+        from .proto.upgrade import upgrade_net
+
+        return upgrade_net(source)
+    return read_net(os.fspath(source))
+
+
+class Net:
+    """A Caffe network.
+
+    ``Net(prototxt, phase, level=0, stages=(), weights=None)``; ``prototxt`` is a path, a
+    NetParameter or prototxt text. pycaffe's older orders ``Net(prototxt, phase)`` and
+    ``Net(prototxt, weights, phase)`` are accepted too.
+    """
+
+    def __init__(self, net, *args, level: int = 0, stages: Sequence[str] = (), weights=None,
+                 phase=None, device=None):
+        if args and isinstance(args[0], (str, os.PathLike)):      # Net(model, weights, phase)
+            weights, args = args[0], args[1:]
+        if args:
+            phase = args[0]
+        if len(args) > 1:
+            raise TypeError("Net(net, phase[, level, stages, weights]) got too many positional arguments")
+        phase = pb.TEST if phase is None else int(phase)
+        param = _load_param(net)
+        self.phase = phase
+        self.param = filter_net(param, make_state(phase, level, stages, param.state))
+        self.name = self.param.name
+        from .mode import default_device
+
+        self.device = torch.device(device) if device is not None else default_device()
+        self._build()
+        if weights:
+            self.copy_from(weights)
+
+    # -- construction ----------------------------------------------------------------------
+    def _build(self) -> None:
+        self.layers: list[Layer] = []
+        self.blobs: OrderedDict[str, Blob] = OrderedDict()
+        self.bottom_names: list[list[str]] = []
+        self.top_names: list[list[str]] = []
+        self._loss_weights: dict[str, float] = {}     # blob name -> weight (Caffe's blob_loss_weights)
+        self._propagate: list[list[bool]] = []
+        self._owners: dict[str, tuple[Layer, int]] = {}  # shared param name -> owning (layer, index)
+        self.lr_mults: list[float] = []                # per learnable param, in self.learnable order
+        self.decay_mults: list[float] = []
+        self.learnable: list[torch.Tensor] = []
+        self._shapes: dict[str, tuple] = {}
+        names = set()
+        for lp in self.param.layer:
+            if lp.name in names:
+                raise NetError(f"Duplicate layer name '{lp.name}'")
+            names.add(lp.name)
+            self._append(lp)
+        consumed = {b for bs in self.bottom_names for b in bs}
+        # Caffe keeps the remaining blobs in a std::set: outputs come sorted by name.
+        self.outputs = sorted(b for b in self.blobs if b not in consumed)
+        self.inputs = [t for l, ts in zip(self.layers, self.top_names) if l.type == "Input" for t in ts]
+        self.layer_dict = OrderedDict((l.name, l) for l in self.layers)
+        self.params = OrderedDict((l.name, [ParamBlob(l, i) for i in range(len(l.blobs))])
+                                  for l in self.layers if l.blobs)
+        self._needs_backward = self.param.force_backward or any(w != 0 for w in self._loss_weights.values())
+        self._input_shapes = self._current_input_shapes()
+        self._reset_loss_diffs()
+        if self.device.type != "cpu":
+            self.to(self.device)
+
+    def _append(self, lp) -> None:
+        i = len(self.layers)
+        layer = layer_class(lp.type, lp.name)(lp, self.phase)
+        bottoms = list(lp.bottom)
+        for j, b in enumerate(bottoms):
+            if b not in self.blobs:
+                raise NetError(f"Layer '{lp.name}' (type {lp.type}): unknown bottom blob '{b}' "
+                               f"(bottom {j}); no earlier layer produces it")
+        for t in lp.top:
+            if t in self.blobs and t not in bottoms:
+                raise NetError(f"Layer '{lp.name}': top blob '{t}' is produced by multiple layers")
+        try:
+            layer.check_counts(len(bottoms), len(lp.top))
+            shapes = [self._shapes[b] for b in bottoms]
+            layer.setup(shapes)
+            tops = self._reshape_layer(layer, shapes)
+        except (LayerError, NetError):
+            raise
+        except Exception as e:  # a layer bug or an unexpected param: name the layer at least
+            raise NetError(f"Layer '{lp.name}' (type {lp.type}) failed to set up for bottom shapes "
+                           f"{[self._shapes[b] for b in bottoms]}: {e}") from e
+        self.layers.append(layer)
+        self.bottom_names.append(bottoms)
+        self.top_names.append(list(lp.top))
+        for t, s in zip(lp.top, tops):
+            self._shapes[t] = s
+            if t not in self.blobs:
+                self.blobs[t] = Blob(torch.zeros(s, dtype=torch.float32))
+        # Loss weights: explicit per top, else 1 on top[0] of a loss layer.
+        weights = list(lp.loss_weight) or ([1.0] + [0.0] * (len(lp.top) - 1) if layer.is_loss else [])
+        if weights and len(weights) != len(lp.top):
+            raise NetError(f"Layer '{lp.name}': loss_weight must be given once per top "
+                           f"({len(lp.top)}), got {len(weights)}")
+        for t, w in zip(lp.top, weights):
+            if w:
+                self._loss_weights[t] = float(w)
+        pd = list(lp.propagate_down)
+        if pd and len(pd) != len(bottoms):
+            raise NetError(f"Layer '{lp.name}': propagate_down must be given once per bottom")
+        self._propagate.append([(pd[j] if pd else True) and layer.allow_backward(j)
+                                for j in range(len(bottoms))])
+        self._append_params(layer, lp)
+
+    def _reshape_layer(self, layer: Layer, shapes) -> list[tuple]:
+        tops = [tuple(int(d) for d in s) for s in layer.reshape(shapes)]
+        if len(tops) != len(layer.param.top):
+            raise NetError(f"Layer '{layer.name}': produced {len(tops)} top shapes for "
+                           f"{len(layer.param.top)} tops")
+        return tops
+
+    def _append_params(self, layer: Layer, lp) -> None:
+        if len(lp.param) > len(layer.blobs):
+            raise NetError(f"Layer '{lp.name}': {len(lp.param)} param specs for "
+                           f"{len(layer.blobs)} parameter blobs")
+        for j in range(len(layer.blobs)):
+            spec = lp.param[j] if j < len(lp.param) else pb.ParamSpec()
+            if spec.name and spec.name in self._owners:
+                owner, k = self._owners[spec.name]
+                src, dst = owner.blobs[k], layer.blobs[j]
+                strict = spec.share_mode == pb.ParamSpec.STRICT
+                if (tuple(src.shape) != tuple(dst.shape)) if strict else (src.numel() != dst.numel()):
+                    raise NetError(f"Layer '{lp.name}': cannot share param '{spec.name}' of shape "
+                                   f"{tuple(src.shape)} (layer '{owner.name}') with shape {tuple(dst.shape)}")
+                layer.blobs[j] = src if tuple(src.shape) == tuple(dst.shape) else src.view(dst.shape)
+                continue
+            if spec.name:
+                self._owners[spec.name] = (layer, j)
+            blob = layer.blobs[j]
+            if blob.requires_grad:
+                if spec.lr_mult == 0:
+                    blob.requires_grad_(False)
+                self.learnable.append(blob)
+                self.lr_mults.append(spec.lr_mult)
+                self.decay_mults.append(spec.decay_mult)
+
+    def _current_input_shapes(self):
+        return [tuple(self.blobs[n].shape) for n in self.inputs]
+
+    def _reset_loss_diffs(self) -> None:
+        for name, w in self._loss_weights.items():
+            b = self.blobs[name]
+            b.diff_tensor = torch.full_like(b.tensor.detach(), w)
+
+    def reshape(self) -> None:
+        """Re-infer every shape from the input blobs' current shapes (Caffe's ``Net::Reshape``)."""
+        for n in self.inputs:
+            self._shapes[n] = self.blobs[n].shape
+        for layer, bottoms, tops in zip(self.layers, self.bottom_names, self.top_names):
+            if layer.type == "Input":
+                continue
+            new = self._reshape_layer(layer, [self._shapes[b] for b in bottoms])
+            for t, s in zip(tops, new):
+                self._shapes[t] = s
+        for name, s in self._shapes.items():
+            if name not in self.inputs:
+                self.blobs[name].reshape(*s)
+        self._input_shapes = self._current_input_shapes()
+        self._reset_loss_diffs()
+
+    def to(self, device=None, dtype=None) -> "Net":
+        """Move (and optionally cast) every blob and parameter, keeping parameter sharing."""
+        device = torch.device(device) if device is not None else self.device
+        moved: dict[int, torch.Tensor] = {}
+
+        def mv(t):
+            if id(t) not in moved:
+                n = t.detach().to(device=device, dtype=dtype or t.dtype)
+                moved[id(t)] = n.requires_grad_(t.requires_grad) if t.is_leaf else n
+            return moved[id(t)]
+
+        # Views of shared params (PERMISSIVE sharing) are re-made from the moved base.
+        for layer in self.layers:
+            layer.blobs = [mv(b) if b._base is None else mv(b._base).view(b.shape) for b in layer.blobs]
+            if hasattr(layer, "to"):
+                layer.to(device=device, dtype=dtype)
+        self.learnable = [moved.get(id(t), t) for t in self.learnable]
+        for b in self.blobs.values():
+            b.tensor = b.tensor.detach().to(device=device, dtype=dtype or b.tensor.dtype)
+            b.diff_tensor = b.diff_tensor.to(device=device, dtype=dtype or b.diff_tensor.dtype)
+        self.device = device
+        return self
+
+    # -- running ----------------------------------------------------------------------------
+    def _index(self, name_or_index, default: int) -> int:
+        if name_or_index is None:
+            return default
+        if isinstance(name_or_index, int):
+            return name_or_index
+        try:
+            return [l.name for l in self.layers].index(name_or_index)
+        except ValueError:
+            raise NetError(f"no layer named '{name_or_index}'") from None
+
+    def forward_tensors(self, start=None, end=None) -> torch.Tensor:
+        """Run layers ``start..end`` (names or indices, inclusive); returns the weighted loss."""
+        i0, i1 = self._index(start, 0), self._index(end, len(self.layers) - 1)
+        if self._current_input_shapes() != self._input_shapes:
+            self.reshape()
+        self._first: dict[str, torch.Tensor] = getattr(self, "_first", {}) if i0 > 0 else {}
+        if i0 == 0:
+            for n in self.inputs:
+                t = self.blobs[n].tensor
+                if self.param.force_backward and t.is_floating_point() and not t.requires_grad:
+                    t = t.detach().requires_grad_(True)
+                    self.blobs[n].tensor = t
+                self._first[n] = t
+        loss = torch.zeros((), device=self.device)
+        with torch.set_grad_enabled(self._needs_backward and torch.is_grad_enabled()):
+            for i in range(i0, i1 + 1):
+                layer = self.layers[i]
+                if layer.type == "Input":
+                    continue
+                bottoms = [self.blobs[b].tensor if p else self.blobs[b].tensor.detach()
+                           for b, p in zip(self.bottom_names[i], self._propagate[i])]
+                tops = layer.forward(bottoms)
+                for name, t in zip(self.top_names[i], tops):
+                    if name not in self.bottom_names[i]:
+                        self._first[name] = t
+                    self.blobs[name].tensor = t
+                    w = self._loss_weights.get(name)
+                    if w:
+                        loss = loss + w * t.detach().sum()
+        self._last_range = (i0, i1)
+        return loss
+
+    def backward_tensors(self, blob_diffs: bool = True) -> None:
+        """Backpropagate from the loss tops and output diffs; accumulates parameter ``.grad``
+        (Caffe's param diffs) and, if ``blob_diffs``, writes every blob's diff."""
+        if not self._needs_backward:
+            return
+        seeds, grads = [], []
+        for name in set(self.outputs) | set(self._loss_weights):
+            t = self._first.get(name) if name in self._loss_weights else self.blobs[name].tensor
+            if t is not None and t.requires_grad:
+                seeds.append(t)
+                grads.append(self.blobs[name].diff_tensor.to(t.dtype))
+        if not seeds:
+            return
+        params = [p for p in self._all_params() if p.requires_grad]
+        if not blob_diffs:
+            torch.autograd.backward(seeds, grads, inputs=params)
+            return
+        names = [n for n, t in self._first.items() if t.requires_grad and n not in self._loss_weights]
+        targets = [self._first[n] for n in names] + params
+        got = torch.autograd.grad(seeds, targets, grads, allow_unused=True, retain_graph=True)
+        for n, g in zip(names, got[:len(names)]):
+            b = self.blobs[n]
+            b.diff_tensor = torch.zeros_like(b.tensor.detach()) if g is None else g.detach()
+        for p, g in zip(params, got[len(names):]):
+            if g is not None:
+                if p.grad is None:
+                    p.grad = g.detach().clone()
+                else:
+                    p.grad += g
+
+    def _all_params(self) -> list[torch.Tensor]:
+        seen, out = set(), []
+        for layer in self.layers:
+            for b in layer.blobs:
+                leaf = b if b._base is None else b._base
+                if id(leaf) not in seen:
+                    seen.add(id(leaf))
+                    out.append(leaf)
+        return out
+
+    def clear_param_diffs(self) -> None:
+        for p in self._all_params():
+            if p.grad is not None:
+                p.grad.zero_()
+
+    # -- pycaffe surface -------------------------------------------------------------------
+    def forward(self, blobs=None, start=None, end=None, **inputs):
+        """pycaffe's ``Net.forward``: feed ``inputs`` (numpy arrays keyed by input blob name),
+        run, and return ``{blob name: numpy array}`` for the outputs (or ``end``'s tops)."""
+        if inputs:
+            unknown = set(inputs) - set(self.inputs)
+            if unknown:
+                raise NetError(f"forward: {sorted(unknown)} are not net inputs; inputs are {self.inputs}")
+            for name, value in inputs.items():
+                blob = self.blobs[name]
+                if tuple(value.shape[:1]) != blob.shape[:1]:
+                    raise NetError(f"forward: input '{name}' has batch size {value.shape[0]}, "
+                                   f"blob '{name}' has shape {blob.shape}")
+                if tuple(value.shape) != blob.shape:
+                    blob.reshape(*value.shape)
+                blob.data[...] = value
+        self.forward_tensors(start, end)
+        i1 = self._index(end, len(self.layers) - 1)
+        outs = self.top_names[i1] if end is not None else self.outputs
+        return {n: self.blobs[n].data for n in list(outs) + list(blobs or [])}
+
+    def backward(self, diffs=None, start=None, end=None, **top_diffs):
+        """pycaffe's ``Net.backward``: optional output diffs by name; returns input diffs."""
+        for name, value in top_diffs.items():
+            if name not in self.outputs:
+                raise NetError(f"backward: '{name}' is not a net output; outputs are {self.outputs}")
+            self.blobs[name].diff[...] = value
+        self.backward_tensors(blob_diffs=True)
+        return {n: self.blobs[n].diff for n in list(self.inputs) + list(diffs or [])}
+
+    @property
+    def blob_loss_weights(self) -> "OrderedDict[str, float]":
+        return OrderedDict((n, self._loss_weights.get(n, 0.0)) for n in self.blobs)
+
+    @property
+    def _layer_names(self) -> list[str]:
+        return [l.name for l in self.layers]
+
+    @property
+    def _blob_names(self) -> list[str]:
+        return list(self.blobs)
+
+    def copy_from(self, path) -> None:
+        """Load weights from a ``.caffemodel`` (binary or legacy V1) or ``.caffemodel.h5``."""
+        from .weights import load_weights
+
+        load_weights(self, path)
+
+    def save(self, path) -> None:
+        """Write the net with its weights as a binary ``.caffemodel`` (atomically)."""
+        from .weights import save_weights
+
+        save_weights(self, path)
+
+    def __repr__(self) -> str:
+        return f"Net(name={self.name!r}, layers={len(self.layers)}, blobs={len(self.blobs)})"

@@ -1,0 +1,115 @@
+"""Weights in and out of a Net: ``.caffemodel`` (binary NetParameter, any legacy version) and
+Caffe's HDF5 format (``/data/<layer>/<i>``). Layers are matched by name, as Caffe does; a layer's
+``blobs`` are in file order, so loading is one loop with a count and shape check."""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from .proto import caffe_pb2 as pb
+
+log = logging.getLogger("brewnet")
+
+
+def _shape_fits(src_shape, blob_proto, dst_shape) -> bool:
+    """Caffe's ``Blob::ShapeEquals``: legacy 4-D num/channels/height/width match an N-D shape
+    (at most 4 axes) left-padded with 1s."""
+    if blob_proto is not None and not blob_proto.HasField("shape") and any(
+            blob_proto.HasField(f) for f in ("num", "channels", "height", "width")):
+        if len(dst_shape) > 4:
+            return False
+        padded = (1,) * (4 - len(dst_shape)) + tuple(dst_shape)
+        return tuple(src_shape) == padded
+    return tuple(src_shape) == tuple(dst_shape)
+
+
+def _copy_layer(net, name: str, arrays: list, protos: list | None, source: str) -> None:
+    layer = net.layer_dict[name]
+    if len(arrays) != len(layer.blobs):
+        raise ValueError(f"{source}: layer '{name}' has {len(arrays)} blobs in the file but "
+                         f"{len(layer.blobs)} in the net (type {layer.type})")
+    for i, arr in enumerate(arrays):
+        dst = layer.blobs[i]
+        if not _shape_fits(arr.shape, protos[i] if protos else None, tuple(dst.shape)):
+            raise ValueError(f"{source}: cannot copy param {i} weights from layer '{name}'; shape "
+                             f"mismatch. Source param shape is {tuple(arr.shape)}; target param shape is "
+                             f"{tuple(dst.shape)}. To learn this layer's parameters from scratch "
+                             f"rather than copying from a saved net, rename the layer.")
+        with torch.no_grad():
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(arr)).reshape(dst.shape))
+
+
+def load_weights(net, path) -> None:
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"weights file not found: {path}")
+    with open(path, "rb") as f:
+        is_h5 = f.read(8) == b"\x89HDF\r\n\x1a\n"
+    if is_h5:
+        return _load_h5(net, path)
+    from .proto.io import blob_to_array, read_binary
+    from .proto.upgrade import upgrade_net
+
+    src = upgrade_net(read_binary(path, pb.NetParameter()))
+    for lp in src.layer:
+        if lp.name not in net.layer_dict:
+            log.info("Ignoring source layer %s", lp.name)
+            continue
+        _copy_layer(net, lp.name, [blob_to_array(b) for b in lp.blobs], list(lp.blobs), path)
+
+
+def _load_h5(net, path: str) -> None:
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        data = f["data"]
+        for name in data:
+            if name not in net.layer_dict:
+                log.info("Ignoring source layer %s", name)
+                continue
+            group = data[name]
+            _copy_layer(net, name, [np.asarray(group[str(i)], dtype=np.float32)
+                                    for i in range(len(group))], None, path)
+
+
+def net_to_proto(net, with_diff: bool = False) -> "pb.NetParameter":
+    """The net's (filtered) definition with each layer's blobs attached (Caffe's ``ToProto``)."""
+    from .proto.io import array_to_blob
+
+    out = pb.NetParameter()
+    out.CopyFrom(net.param)
+    for lp, layer in zip(out.layer, net.layers):
+        del lp.blobs[:]
+        for b in layer.blobs:
+            t = b.detach().float().cpu()
+            diff = b.grad.detach().float().cpu().numpy() if with_diff and b.grad is not None else None
+            lp.blobs.append(array_to_blob(t.numpy(), diff))
+    return out
+
+
+def save_weights(net, path) -> None:
+    from .proto.io import write_binary
+
+    write_binary(os.fspath(path), net_to_proto(net))
+
+
+def save_weights_h5(net, path, with_diff: bool = False) -> None:
+    """Caffe's HDF5 layout: ``/data/<layer>/<i>`` (and ``/diff/...``), written atomically."""
+    import h5py
+
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    with h5py.File(tmp, "w") as f:
+        for kind in ("data", "diff") if with_diff else ("data",):
+            g = f.create_group(kind)
+            for layer in net.layers:
+                if not layer.blobs:
+                    continue
+                lg = g.create_group(layer.name)
+                for i, b in enumerate(layer.blobs):
+                    t = b if kind == "data" else (b.grad if b.grad is not None else torch.zeros_like(b))
+                    lg.create_dataset(str(i), data=t.detach().float().cpu().numpy())
+    os.replace(tmp, path)

@@ -1,0 +1,97 @@
+"""Every layer case produced by the real Caffe (../shared/golden/layers) through brewnet's Net:
+forward tops, bottom diffs and param diffs (and BatchNorm's running blobs after forward).
+
+Tolerances (float32, from the golden README):
+- elementwise / routing / pooling / shape layers: atol 1e-6 plus rtol 1e-6. The rtol is added
+  because a transcendental (exp, tanh, log) may differ by an ulp between glibc and torch's
+  vectorised kernels, and an ulp of a value above 8 is already 1e-6;
+- ArgMax, Accuracy and pooling masks: exactly equal;
+- BLAS-like layers (conv, inner product, LRN, softmax, MVN, BatchNorm, recurrent, reductions):
+  rtol 1e-4, atol 1e-5 (summation order differs from OpenBLAS);
+- losses: rtol 1e-5 on the loss, rtol 1e-4 / atol 1e-6 on diffs.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from brewnet.net import Net
+from brewnet.proto import caffe_pb2 as pb
+
+from helpers import GOLDEN
+
+LAYERS = GOLDEN / "layers"
+CASES = json.loads((LAYERS / "index.json").read_text())["cases"] if (LAYERS / "index.json").exists() else []
+
+EXACT = {"ArgMax", "Accuracy"}
+ELEMENTWISE = {"ReLU", "ELU", "Sigmoid", "TanH", "AbsVal", "BNLL", "Power", "Exp", "Log",
+               "Threshold", "Dropout", "Clip", "Swish", "Pooling", "SPP", "Silence", "Split",
+               "Concat", "Slice", "Eltwise", "Flatten", "Reshape", "Crop", "Tile", "Filter",
+               "BatchReindex", "Parameter", "Im2col"}
+
+
+def tolerances(layer_type: str, what: str) -> dict:
+    if layer_type in EXACT:
+        return dict(rtol=0, atol=0)
+    if layer_type in ELEMENTWISE:
+        return dict(rtol=1e-6, atol=1e-6)
+    if layer_type.endswith("Loss"):
+        return dict(rtol=1e-5, atol=1e-7) if what == "top" else dict(rtol=1e-4, atol=1e-6)
+    return dict(rtol=1e-4, atol=1e-5)
+
+
+def _producer(net: Net, blob: str):
+    for layer, tops in zip(net.layers, net.top_names):
+        if blob in tops:
+            return layer
+    raise KeyError(blob)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["file"][:-4] for c in CASES])
+def test_golden_layer(case):
+    z = np.load(LAYERS / case["file"], allow_pickle=False)
+    meta = json.loads(str(z["meta"]))
+    phase = pb.TRAIN if meta["phase"] == "TRAIN" else pb.TEST
+    net = Net(str(z["prototxt"]), phase)
+    t = meta["type"]
+
+    for name in meta["bottoms"]:
+        value = z[f"bottom/{name}"]
+        if name in net.inputs:
+            net.blobs[name].reshape(*value.shape)
+            net.blobs[name].data[...] = value
+        else:  # "param" mode: a differentiable bottom comes from a Parameter layer
+            net.params[_producer(net, name).name][0].data[...] = value
+    for i in range(meta["num_params"]):
+        net.params["test"][i].data[...] = z[f"param/{i}"]
+
+    net.forward()
+    for name in meta["tops"]:
+        tol = dict(rtol=0, atol=0) if name == "mask" else tolerances(t, "top")
+        np.testing.assert_allclose(net.blobs[name].data, z[f"top/{name}"], **tol,
+                                   err_msg=f"top '{name}'")
+    for i in range(meta["num_params"]):
+        key = f"param_after_forward/{i}"
+        if key in z.files:
+            np.testing.assert_allclose(net.params["test"][i].data, z[key], **tolerances(t, "top"),
+                                       err_msg=f"param {i} after forward")
+    if not case.get("backward", True):
+        return
+
+    for name in meta["tops"]:
+        net.blobs[name].diff[...] = z[f"top_diff/{name}"]
+    net.backward()
+    for name in meta["grad_bottoms"]:
+        if name in net.inputs:
+            got = net.blobs[name].diff
+        else:
+            got = net.params[_producer(net, name).name][0].diff
+        np.testing.assert_allclose(got, z[f"bottom_diff/{name}"], **tolerances(t, "diff"),
+                                   err_msg=f"bottom diff '{name}'")
+    for i in range(meta["num_params"]):
+        key = f"param_diff/{i}"
+        if key in z.files:
+            np.testing.assert_allclose(net.params["test"][i].diff, z[key], **tolerances(t, "diff"),
+                                       err_msg=f"param diff {i}")
