@@ -310,15 +310,13 @@ class Net:
     def forward(self, blobs=None, start=None, end=None, **inputs):
         """pycaffe's ``Net.forward``: feed ``inputs`` (numpy arrays keyed by input blob name),
         run, and return ``{blob name: numpy array}`` for the outputs (or ``end``'s tops)."""
+        if inputs and set(inputs) != set(self.inputs):
+            raise NetError(f"forward: input arguments {sorted(inputs)} do not match the net's "
+                           f"inputs {self.inputs}")
         if inputs:
-            unknown = set(inputs) - set(self.inputs)
-            if unknown:
-                raise NetError(f"forward: {sorted(unknown)} are not net inputs; inputs are {self.inputs}")
             for name, value in inputs.items():
                 blob = self.blobs[name]
-                if tuple(value.shape[:1]) != blob.shape[:1]:
-                    raise NetError(f"forward: input '{name}' has batch size {value.shape[0]}, "
-                                   f"blob '{name}' has shape {blob.shape}")
+                # pycaffe insists on the blob's batch size; reshaping is what a user expects.
                 if tuple(value.shape) != blob.shape:
                     blob.reshape(*value.shape)
                 blob.data[...] = value

@@ -23,8 +23,7 @@ def layer_flops(layer, bottoms, tops) -> int:
         macs = count(w) * count(spatial[2:]) * spatial[0]
         return 2 * macs + (count(tops[0]) if len(layer.blobs) > 1 else 0)
     if t == "InnerProduct":
-        return 2 * count(layer.blobs[0].shape) * count(tops[0]) // layer.blobs[0].shape[0 if not
-               layer.param.inner_product_param.transpose else 1]
+        return 2 * count(layer.blobs[0].shape) * count(tops[0]) // layer.param.inner_product_param.num_output
     if t == "Pooling":
         p = layer.param.pooling_param
         k = (bottoms[0][2] * bottoms[0][3]) if p.global_pooling else (
