@@ -1,1 +1,270 @@
-"""neuron layers."""
+"""Neuron layers: elementwise maps with one bottom and one top of the same shape.
+
+The math lives in the module-level functions (each takes a tensor and plain numbers); the layer
+classes only read their params. Constants derived from float params are rounded to float32 as
+Caffe computes them in ``Dtype``. Where autograd's derivative at a kink differs from Caffe's
+(ReLU/PReLU/ELU at 0, Clip at its bounds, BNLL at 0) the forward is written so that autograd
+picks Caffe's branch; the tests check those points.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..proto import caffe_pb2 as pb
+from .base import Layer, register
+
+
+def f32(v: float) -> float:
+    """``v`` rounded to float32, as Caffe stores layer constants."""
+    return float(np.float32(v))
+
+
+# -- functional core --------------------------------------------------------------------------
+def relu(x, negative_slope: float = 0.0):
+    # Caffe's backward uses x > 0, else slope: leaky_relu and relu use the same test.
+    return torch.relu(x) if negative_slope == 0 else F.leaky_relu(x, negative_slope)
+
+
+def prelu(x, slope):
+    """``slope`` is a scalar tensor or one value per channel (axis 1)."""
+    if slope.dim() == 1:
+        slope = slope.view((1, -1) + (1,) * (x.dim() - 2))
+    # where(x > 0, ...) gives the slope branch (and a slope diff of 0) at x == 0, as Caffe.
+    return torch.where(x > 0, x, x * slope)
+
+
+def elu(x, alpha: float = 1.0):
+    # exp(x) - 1 (not expm1) as Caffe; min(x, 0) keeps the unused branch finite.
+    neg = alpha * (torch.exp(torch.clamp(x, max=0)) - 1)
+    return torch.where(x > 0, x, neg)
+
+
+def bnll(x):
+    # Caffe: log(1 + e^x), stable; its gradient e^min(x,50) / (e^min(x,50) + 1) is softplus'.
+    return F.softplus(x, beta=1.0, threshold=50.0)
+
+
+def power(x, p: float = 1.0, scale: float = 1.0, shift: float = 0.0):
+    """(shift + scale * x) ** p, with Caffe's special cases."""
+    if p * scale == 0:  # input ignored: 1 if p == 0 else shift ** p; zero gradient
+        value = 1.0 if p == 0 else f32(math.pow(shift, p))
+        return torch.full_like(x.detach(), value)
+    y = x
+    if scale != 1:
+        y = y * scale
+    if shift != 0:
+        y = y + shift
+    return y if p == 1 else torch.pow(y, p)
+
+
+def exp(x, base: float = -1.0, scale: float = 1.0, shift: float = 0.0):
+    """base ** (shift + scale * x); base -1 means e."""
+    log_base = 1.0 if base == -1 else f32(math.log(base))
+    inner = f32(log_base * scale)
+    outer = 1.0 if shift == 0 else f32(math.exp(shift) if base == -1 else math.pow(base, shift))
+    y = torch.exp(x * inner if inner != 1 else x)
+    return y if outer == 1 else y * outer
+
+
+def log(x, base: float = -1.0, scale: float = 1.0, shift: float = 0.0):
+    """log_base(shift + scale * x); base -1 means e."""
+    y = x * scale if scale != 1 else x
+    if shift != 0:
+        y = y + shift
+    y = torch.log(y)
+    base_scale = 1.0 if base == -1 else f32(1.0 / f32(math.log(base)))
+    return y if base_scale == 1 else y * base_scale
+
+
+def swish(x, beta: float = 1.0):
+    return x * torch.sigmoid(x * beta if beta != 1 else x)
+
+
+def dropout(x, ratio: float, train: bool):
+    """Inverted dropout: keep with probability 1 - ratio and scale by 1 / (1 - ratio)."""
+    if not train:
+        return x
+    scale = f32(1.0 / f32(1.0 - ratio))
+    keep = torch.empty_like(x).bernoulli_(1.0 - ratio)
+    return x * (keep * scale)
+
+
+# -- layers -----------------------------------------------------------------------------------
+class Neuron(Layer):
+    """Base for elementwise layers: one bottom, one top shaped like it."""
+
+    exact_bottoms = 1
+    exact_tops = 1
+
+
+@register("ReLU")
+class ReLU(Neuron):
+    """max(x, 0) + negative_slope * min(x, 0). Shapes: any -> same.
+    Params: relu_param.negative_slope. Gradient: x > 0 ? 1 : slope (so slope at x == 0)."""
+
+    def forward(self, bottoms):
+        return [relu(bottoms[0], f32(self.param.relu_param.negative_slope))]
+
+
+@register("PReLU")
+class PReLU(Neuron):
+    """ReLU with learned negative slopes, one per channel (axis 1) or one shared.
+    Shapes: (N, C, ...) -> same. Params: prelu_param.filler (default constant 0.25),
+    channel_shared. Blob: slopes (C,), or a 0-D scalar when channel_shared (as Caffe)."""
+
+    def setup(self, bottom_shapes):
+        if len(bottom_shapes[0]) < 2:
+            raise self.fail(f"bottom must have at least 2 axes, got shape {bottom_shapes[0]}")
+        p = self.param.prelu_param
+        filler = p.filler if p.HasField("filler") else pb.FillerParameter(type="constant", value=0.25)
+        self.channels = bottom_shapes[0][1]
+        self.blobs = [self.new_blob(() if p.channel_shared else (self.channels,), filler)]
+
+    def reshape(self, bottom_shapes):
+        s = bottom_shapes[0]
+        if len(s) < 2 or (not self.param.prelu_param.channel_shared and s[1] != self.channels):
+            raise self.fail(f"bottom shape {s} does not match {self.channels} channels")
+        return [tuple(s)]
+
+    def forward(self, bottoms):
+        return [prelu(bottoms[0], self.blobs[0])]
+
+
+@register("ELU")
+class ELU(Neuron):
+    """x > 0 ? x : alpha * (exp(x) - 1). Shapes: any -> same. Params: elu_param.alpha."""
+
+    def forward(self, bottoms):
+        return [elu(bottoms[0], f32(self.param.elu_param.alpha))]
+
+
+@register("Sigmoid")
+class Sigmoid(Neuron):
+    """1 / (1 + exp(-x)). Shapes: any -> same."""
+
+    def forward(self, bottoms):
+        return [torch.sigmoid(bottoms[0])]
+
+
+@register("TanH")
+class TanH(Neuron):
+    """tanh(x). Shapes: any -> same."""
+
+    def forward(self, bottoms):
+        return [torch.tanh(bottoms[0])]
+
+
+@register("AbsVal")
+class AbsVal(Neuron):
+    """|x|; gradient sign(x) with sign(0) = 0. Shapes: any -> same."""
+
+    def forward(self, bottoms):
+        return [torch.abs(bottoms[0])]
+
+
+@register("BNLL")
+class BNLL(Neuron):
+    """Binomial normal log likelihood log(1 + exp(x)), computed stably. Shapes: any -> same.
+    Differs from torch: softplus with threshold 50, Caffe's cut-off for the gradient."""
+
+    def forward(self, bottoms):
+        return [bnll(bottoms[0])]
+
+
+@register("Power")
+class Power(Neuron):
+    """(shift + scale * x) ** power. Shapes: any -> same. Params: power_param.{power, scale,
+    shift}. power * scale == 0 gives a constant top (1 if power == 0, else shift ** power) with
+    zero gradient, as Caffe. Differs from Caffe: where its backward formula p * y / x divides
+    0 by 0 (base 0) this gives autograd's derivative instead of NaN."""
+
+    def forward(self, bottoms):
+        p = self.param.power_param
+        return [power(bottoms[0], f32(p.power), f32(p.scale), f32(p.shift))]
+
+
+@register("Exp")
+class Exp(Neuron):
+    """base ** (shift + scale * x), base -1 = e. Shapes: any -> same.
+    Params: exp_param.{base, scale, shift}; base must be positive (or -1)."""
+
+    def setup(self, bottom_shapes):
+        base = self.param.exp_param.base
+        if base != -1 and base <= 0:
+            raise self.fail(f"base must be strictly positive (or -1 for e), got {base}")
+
+    def forward(self, bottoms):
+        p = self.param.exp_param
+        return [exp(bottoms[0], f32(p.base), f32(p.scale), f32(p.shift))]
+
+
+@register("Log")
+class Log(Neuron):
+    """log_base(shift + scale * x), base -1 = e. Shapes: any -> same.
+    Params: log_param.{base, scale, shift}; base must be positive (or -1)."""
+
+    def setup(self, bottom_shapes):
+        base = self.param.log_param.base
+        if base != -1 and base <= 0:
+            raise self.fail(f"base must be strictly positive (or -1 for e), got {base}")
+
+    def forward(self, bottoms):
+        p = self.param.log_param
+        return [log(bottoms[0], f32(p.base), f32(p.scale), f32(p.shift))]
+
+
+@register("Threshold")
+class Threshold(Neuron):
+    """x > threshold ? 1 : 0 (strict). Shapes: any -> same. Params: threshold_param.threshold.
+    No backward (Caffe has none): the top is not connected to the graph."""
+
+    def allow_backward(self, bottom_index):
+        return False
+
+    def forward(self, bottoms):
+        x = bottoms[0]
+        return [(x.detach() > f32(self.param.threshold_param.threshold)).to(x.dtype)]
+
+
+@register("Clip")
+class Clip(Neuron):
+    """min(max(x, min), max). Shapes: any -> same. Params: clip_param.{min, max} (required).
+    Gradient passes where min <= x <= max (both ends included), as Caffe and torch.clamp."""
+
+    def setup(self, bottom_shapes):
+        p = self.param.clip_param
+        if not (p.HasField("min") and p.HasField("max")):
+            raise self.fail("clip_param needs both min and max")
+        if p.min > p.max:
+            raise self.fail(f"clip_param min {p.min} is greater than max {p.max}")
+
+    def forward(self, bottoms):
+        p = self.param.clip_param
+        return [torch.clamp(bottoms[0], f32(p.min), f32(p.max))]
+
+
+@register("Swish")
+class Swish(Neuron):
+    """x * sigmoid(beta * x). Shapes: any -> same. Params: swish_param.beta."""
+
+    def forward(self, bottoms):
+        return [swish(bottoms[0], f32(self.param.swish_param.beta))]
+
+
+@register("Dropout")
+class Dropout(Neuron):
+    """TRAIN: x * Bernoulli(1 - ratio) mask / (1 - ratio); TEST: identity. Shapes: any -> same.
+    Params: dropout_param.dropout_ratio in (0, 1). The phase is the layer's (net's) phase."""
+
+    def setup(self, bottom_shapes):
+        r = self.param.dropout_param.dropout_ratio
+        if not 0 < r < 1:
+            raise self.fail(f"dropout_ratio must be in (0, 1), got {r}")
+
+    def forward(self, bottoms):
+        ratio = f32(self.param.dropout_param.dropout_ratio)
+        return [dropout(bottoms[0], ratio, self.phase == pb.TRAIN)]
