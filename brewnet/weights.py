@@ -26,20 +26,28 @@ def _shape_fits(src_shape, blob_proto, dst_shape) -> bool:
     return tuple(src_shape) == tuple(dst_shape)
 
 
-def _copy_layer(net, name: str, arrays: list, protos: list | None, source: str) -> None:
+def _check_layer(net, name: str, arrays: list, protos: list | None, source: str) -> None:
     layer = net.layer_dict[name]
     if len(arrays) != len(layer.blobs):
         raise ValueError(f"{source}: layer '{name}' has {len(arrays)} blobs in the file but "
                          f"{len(layer.blobs)} in the net (type {layer.type})")
     for i, arr in enumerate(arrays):
-        dst = layer.blobs[i]
-        if not _shape_fits(arr.shape, protos[i] if protos else None, tuple(dst.shape)):
+        dst = tuple(layer.blobs[i].shape)
+        if not _shape_fits(arr.shape, protos[i] if protos else None, dst):
             raise ValueError(f"{source}: cannot copy param {i} weights from layer '{name}'; shape "
                              f"mismatch. Source param shape is {tuple(arr.shape)}; target param shape is "
-                             f"{tuple(dst.shape)}. To learn this layer's parameters from scratch "
-                             f"rather than copying from a saved net, rename the layer.")
-        with torch.no_grad():
-            dst.copy_(torch.from_numpy(np.ascontiguousarray(arr)).reshape(dst.shape))
+                             f"{dst}. To learn this layer's parameters from scratch rather than "
+                             f"copying from a saved net, rename the layer.")
+
+
+def _copy_all(net, found: list, source: str) -> None:
+    """Check every layer first, then copy: a bad file leaves the net as it was."""
+    for name, arrays, protos in found:
+        _check_layer(net, name, arrays, protos, source)
+    with torch.no_grad():
+        for name, arrays, _ in found:
+            for dst, arr in zip(net.layer_dict[name].blobs, arrays):
+                dst.copy_(torch.from_numpy(np.ascontiguousarray(arr)).reshape(dst.shape))
 
 
 def load_weights(net, path) -> None:
@@ -54,16 +62,19 @@ def load_weights(net, path) -> None:
     from .proto.upgrade import upgrade_net
 
     src = upgrade_net(read_binary(path, pb.NetParameter()))
+    found = []
     for lp in src.layer:
         if lp.name not in net.layer_dict:
             log.info("Ignoring source layer %s", lp.name)
             continue
-        _copy_layer(net, lp.name, [blob_to_array(b) for b in lp.blobs], list(lp.blobs), path)
+        found.append((lp.name, [blob_to_array(b) for b in lp.blobs], list(lp.blobs)))
+    _copy_all(net, found, path)
 
 
 def _load_h5(net, path: str) -> None:
     import h5py
 
+    found = []
     with h5py.File(path, "r") as f:
         data = f["data"]
         for name in data:
@@ -71,8 +82,9 @@ def _load_h5(net, path: str) -> None:
                 log.info("Ignoring source layer %s", name)
                 continue
             group = data[name]
-            _copy_layer(net, name, [np.asarray(group[str(i)], dtype=np.float32)
-                                    for i in range(len(group))], None, path)
+            found.append((name, [np.asarray(group[str(i)], dtype=np.float32)
+                                 for i in range(len(group))], None))
+    _copy_all(net, found, path)
 
 
 def net_to_proto(net, with_diff: bool = False) -> "pb.NetParameter":

@@ -1,0 +1,91 @@
+"""Inference speed: brewnet vs OpenCV's dnn Caffe importer, same nets, same run, same threads.
+
+    python benchmarks/inference.py [--threads 2] [--repeats 20]
+
+Prints ms per image at batch 1 and 16 for open_nsfw (real weights), LeNet (real weights) and
+CaffeNet (random weights written to a temporary .caffemodel by brewnet), and brewnet/OpenCV.
+Runs are interleaved and the median is taken, since these machines are shared and noisy.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MODELS = ROOT.parent / "shared" / "caffe-models"
+
+import brewnet  # noqa: E402
+
+NETS = {
+    "open_nsfw": ("trained/open_nsfw/deploy.prototxt", "trained/open_nsfw/resnet_50_1by2_nsfw.caffemodel"),
+    "LeNet": ("trained/lenet_mnist_ethereon/examples/mnist/lenet.prototxt",
+              "trained/lenet_mnist_ethereon/examples/mnist/lenet_iter_10000.caffemodel"),
+    "CaffeNet": ("bvlc/models/bvlc_reference_caffenet/deploy.prototxt", None),
+}
+
+
+def time_call(fn, repeats: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--nets", default=",".join(NETS))
+    args = ap.parse_args()
+    import cv2
+
+    torch.set_num_threads(args.threads)
+    cv2.setNumThreads(args.threads)
+    tmp = Path(tempfile.mkdtemp())
+    print(f"threads={args.threads} repeats={args.repeats} torch={torch.__version__} opencv={cv2.__version__}")
+    print(f"{'net':<10} {'batch':>5} {'brewnet ms/img':>15} {'OpenCV ms/img':>14} {'ratio':>7}")
+    for name in args.nets.split(","):
+        proto, weights = NETS[name]
+        proto = str(MODELS / proto)
+        if weights is None:
+            brewnet.set_random_seed(1)
+            weights = str(tmp / f"{name}.caffemodel")
+            brewnet.Net(proto, brewnet.TEST).save(weights)
+        else:
+            weights = str(MODELS / weights)
+        bnet = brewnet.Net(proto, brewnet.TEST, weights=weights)
+        cnet = cv2.dnn.readNetFromCaffe(proto, weights)
+        in_name = bnet.inputs[0]
+        shape = bnet.blobs[in_name].shape
+        for batch in (1, 16):
+            x = np.random.default_rng(0).standard_normal((batch, *shape[1:])).astype(np.float32)
+            bnet.blobs[in_name].reshape(*x.shape)
+
+            def run_brewnet():
+                bnet.forward(**{in_name: x})
+
+            def run_cv():
+                cnet.setInput(x)
+                cnet.forward()
+
+            tb, tc = [], []
+            for _ in range(max(1, args.repeats // 5)):  # interleave to share the noise
+                tb += time_call(run_brewnet, 5)
+                tc += time_call(run_cv, 5)
+            mb, mc = statistics.median(tb) * 1e3 / batch, statistics.median(tc) * 1e3 / batch
+            print(f"{name:<10} {batch:>5} {mb:>15.2f} {mc:>14.2f} {mb / mc:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
