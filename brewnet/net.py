@@ -36,6 +36,17 @@ def _load_param(source) -> "pb.NetParameter":
     return read_net(os.fspath(source))
 
 
+class LayerView:
+    """pycaffe's view of a layer: ``type``, ``name`` and ``blobs`` as numpy-backed Blobs."""
+
+    def __init__(self, layer: Layer):
+        self.layer, self.type, self.name = layer, layer.type, layer.name
+        self.blobs = [ParamBlob(layer, i) for i in range(len(layer.blobs))]
+
+    def __repr__(self) -> str:
+        return f"<{self.type} layer '{self.name}'>"
+
+
 class Net:
     """A Caffe network.
 
@@ -66,10 +77,10 @@ class Net:
 
     # -- construction ----------------------------------------------------------------------
     def _build(self) -> None:
-        self.layers: list[Layer] = []
+        self.layer_list: list[Layer] = []              # torch side; pycaffe's views: .layers
         self.blobs: OrderedDict[str, Blob] = OrderedDict()
-        self.bottom_names: list[list[str]] = []
-        self.top_names: list[list[str]] = []
+        self.bottom_lists: list[list[str]] = []
+        self.top_lists: list[list[str]] = []
         self._loss_weights: dict[str, float] = {}     # blob name -> weight (Caffe's blob_loss_weights)
         self._propagate: list[list[bool]] = []
         self._owners: dict[str, tuple[Layer, int]] = {}  # shared param name -> owning (layer, index)
@@ -83,13 +94,13 @@ class Net:
                 raise NetError(f"Duplicate layer name '{lp.name}'")
             names.add(lp.name)
             self._append(lp)
-        consumed = {b for bs in self.bottom_names for b in bs}
+        consumed = {b for bs in self.bottom_lists for b in bs}
         # Caffe keeps the remaining blobs in a std::set: outputs come sorted by name.
         self.outputs = sorted(b for b in self.blobs if b not in consumed)
-        self.inputs = [t for l, ts in zip(self.layers, self.top_names) if l.type == "Input" for t in ts]
-        self.layer_dict = OrderedDict((l.name, l) for l in self.layers)
+        self.inputs = [t for l, ts in zip(self.layer_list, self.top_lists) if l.type == "Input" for t in ts]
+        self.layer_by_name = {l.name: l for l in self.layer_list}
         self.params = OrderedDict((l.name, [ParamBlob(l, i) for i in range(len(l.blobs))])
-                                  for l in self.layers if l.blobs)
+                                  for l in self.layer_list if l.blobs)
         self._needs_backward = self.param.force_backward or any(w != 0 for w in self._loss_weights.values())
         self._input_shapes = self._current_input_shapes()
         self._reset_loss_diffs()
@@ -97,7 +108,7 @@ class Net:
             self.to(self.device)
 
     def _append(self, lp) -> None:
-        i = len(self.layers)
+        i = len(self.layer_list)
         layer = layer_class(lp.type, lp.name)(lp, self.phase)
         bottoms = list(lp.bottom)
         for j, b in enumerate(bottoms):
@@ -117,9 +128,9 @@ class Net:
         except Exception as e:  # a layer bug or an unexpected param: name the layer at least
             raise NetError(f"Layer '{lp.name}' (type {lp.type}) failed to set up for bottom shapes "
                            f"{[self._shapes[b] for b in bottoms]}: {e}") from e
-        self.layers.append(layer)
-        self.bottom_names.append(bottoms)
-        self.top_names.append(list(lp.top))
+        self.layer_list.append(layer)
+        self.bottom_lists.append(bottoms)
+        self.top_lists.append(list(lp.top))
         for t, s in zip(lp.top, tops):
             self._shapes[t] = s
             if t not in self.blobs:
@@ -183,7 +194,7 @@ class Net:
         """Re-infer every shape from the input blobs' current shapes (Caffe's ``Net::Reshape``)."""
         for n in self.inputs:
             self._shapes[n] = self.blobs[n].shape
-        for layer, bottoms, tops in zip(self.layers, self.bottom_names, self.top_names):
+        for layer, bottoms, tops in zip(self.layer_list, self.bottom_lists, self.top_lists):
             if layer.type == "Input":
                 continue
             new = self._reshape_layer(layer, [self._shapes[b] for b in bottoms])
@@ -207,7 +218,7 @@ class Net:
             return moved[id(t)]
 
         # Views of shared params (PERMISSIVE sharing) are re-made from the moved base.
-        for layer in self.layers:
+        for layer in self.layer_list:
             layer.blobs = [mv(b) if b._base is None else mv(b._base).view(b.shape) for b in layer.blobs]
             if hasattr(layer, "to"):
                 layer.to(device=device, dtype=dtype)
@@ -225,13 +236,13 @@ class Net:
         if isinstance(name_or_index, int):
             return name_or_index
         try:
-            return [l.name for l in self.layers].index(name_or_index)
+            return [l.name for l in self.layer_list].index(name_or_index)
         except ValueError:
             raise NetError(f"no layer named '{name_or_index}'") from None
 
     def forward_tensors(self, start=None, end=None) -> torch.Tensor:
         """Run layers ``start..end`` (names or indices, inclusive); returns the weighted loss."""
-        i0, i1 = self._index(start, 0), self._index(end, len(self.layers) - 1)
+        i0, i1 = self._index(start, 0), self._index(end, len(self.layer_list) - 1)
         if self._current_input_shapes() != self._input_shapes:
             self.reshape()
         self._first: dict[str, torch.Tensor] = getattr(self, "_first", {}) if i0 > 0 else {}
@@ -245,14 +256,14 @@ class Net:
         loss = torch.zeros((), device=self.device)
         with torch.set_grad_enabled(self._needs_backward and torch.is_grad_enabled()):
             for i in range(i0, i1 + 1):
-                layer = self.layers[i]
+                layer = self.layer_list[i]
                 if layer.type == "Input":
                     continue
                 bottoms = [self.blobs[b].tensor if p else self.blobs[b].tensor.detach()
-                           for b, p in zip(self.bottom_names[i], self._propagate[i])]
+                           for b, p in zip(self.bottom_lists[i], self._propagate[i])]
                 tops = layer.forward(bottoms)
-                for name, t in zip(self.top_names[i], tops):
-                    if name not in self.bottom_names[i]:
+                for name, t in zip(self.top_lists[i], tops):
+                    if name not in self.bottom_lists[i]:
                         self._first[name] = t
                     self.blobs[name].tensor = t
                     w = self._loss_weights.get(name)
@@ -293,7 +304,7 @@ class Net:
 
     def _all_params(self) -> list[torch.Tensor]:
         seen, out = set(), []
-        for layer in self.layers:
+        for layer in self.layer_list:
             for b in layer.blobs:
                 leaf = b if b._base is None else b._base
                 if id(leaf) not in seen:
@@ -321,8 +332,8 @@ class Net:
                     blob.reshape(*value.shape)
                 blob.data[...] = value
         self.forward_tensors(start, end)
-        i1 = self._index(end, len(self.layers) - 1)
-        outs = self.top_names[i1] if end is not None else self.outputs
+        i1 = self._index(end, len(self.layer_list) - 1)
+        outs = self.top_lists[i1] if end is not None else self.outputs
         return {n: self.blobs[n].data for n in list(outs) + list(blobs or [])}
 
     def backward(self, diffs=None, start=None, end=None, **top_diffs):
@@ -335,12 +346,28 @@ class Net:
         return {n: self.blobs[n].diff for n in list(self.inputs) + list(diffs or [])}
 
     @property
+    def layers(self) -> list["LayerView"]:
+        return [LayerView(l) for l in self.layer_list]
+
+    @property
+    def layer_dict(self) -> "OrderedDict[str, LayerView]":
+        return OrderedDict((l.name, LayerView(l)) for l in self.layer_list)
+
+    @property
+    def top_names(self) -> "OrderedDict[str, list[str]]":
+        return OrderedDict((l.name, list(t)) for l, t in zip(self.layer_list, self.top_lists))
+
+    @property
+    def bottom_names(self) -> "OrderedDict[str, list[str]]":
+        return OrderedDict((l.name, list(b)) for l, b in zip(self.layer_list, self.bottom_lists))
+
+    @property
     def blob_loss_weights(self) -> "OrderedDict[str, float]":
         return OrderedDict((n, self._loss_weights.get(n, 0.0)) for n in self.blobs)
 
     @property
     def _layer_names(self) -> list[str]:
-        return [l.name for l in self.layers]
+        return [l.name for l in self.layer_list]
 
     @property
     def _blob_names(self) -> list[str]:
@@ -359,4 +386,4 @@ class Net:
         save_weights(self, path)
 
     def __repr__(self) -> str:
-        return f"Net(name={self.name!r}, layers={len(self.layers)}, blobs={len(self.blobs)})"
+        return f"Net(name={self.name!r}, layers={len(self.layer_list)}, blobs={len(self.blobs)})"

@@ -45,7 +45,7 @@ class LayerRow:
 
 def summarize(net) -> list[LayerRow]:
     rows = []
-    for layer, bn, tn in zip(net.layers, net.bottom_names, net.top_names):
+    for layer, bn, tn in zip(net.layer_list, net.bottom_lists, net.top_lists):
         b = [net._shapes[n] for n in bn]
         t = [net._shapes[n] for n in tn]
         rows.append(LayerRow(layer.name, layer.type, list(zip(tn, t)),

@@ -27,7 +27,7 @@ def _shape_fits(src_shape, blob_proto, dst_shape) -> bool:
 
 
 def _check_layer(net, name: str, arrays: list, protos: list | None, source: str) -> None:
-    layer = net.layer_dict[name]
+    layer = net.layer_by_name[name]
     if len(arrays) != len(layer.blobs):
         raise ValueError(f"{source}: layer '{name}' has {len(arrays)} blobs in the file but "
                          f"{len(layer.blobs)} in the net (type {layer.type})")
@@ -46,7 +46,7 @@ def _copy_all(net, found: list, source: str) -> None:
         _check_layer(net, name, arrays, protos, source)
     with torch.no_grad():
         for name, arrays, _ in found:
-            for dst, arr in zip(net.layer_dict[name].blobs, arrays):
+            for dst, arr in zip(net.layer_by_name[name].blobs, arrays):
                 dst.copy_(torch.from_numpy(np.ascontiguousarray(arr)).reshape(dst.shape))
 
 
@@ -64,7 +64,7 @@ def load_weights(net, path) -> None:
     src = upgrade_net(read_binary(path, pb.NetParameter()))
     found = []
     for lp in src.layer:
-        if lp.name not in net.layer_dict:
+        if lp.name not in net.layer_by_name:
             log.info("Ignoring source layer %s", lp.name)
             continue
         found.append((lp.name, [blob_to_array(b) for b in lp.blobs], list(lp.blobs)))
@@ -78,7 +78,7 @@ def _load_h5(net, path: str) -> None:
     with h5py.File(path, "r") as f:
         data = f["data"]
         for name in data:
-            if name not in net.layer_dict:
+            if name not in net.layer_by_name:
                 log.info("Ignoring source layer %s", name)
                 continue
             group = data[name]
@@ -93,7 +93,7 @@ def net_to_proto(net, with_diff: bool = False) -> "pb.NetParameter":
 
     out = pb.NetParameter()
     out.CopyFrom(net.param)
-    for lp, layer in zip(out.layer, net.layers):
+    for lp, layer in zip(out.layer, net.layer_list):
         del lp.blobs[:]
         for b in layer.blobs:
             t = b.detach().float().cpu()
@@ -117,7 +117,7 @@ def save_weights_h5(net, path, with_diff: bool = False) -> None:
     with h5py.File(tmp, "w") as f:
         for kind in ("data", "diff") if with_diff else ("data",):
             g = f.create_group(kind)
-            for layer in net.layers:
+            for layer in net.layer_list:
                 if not layer.blobs:
                     continue
                 lg = g.create_group(layer.name)

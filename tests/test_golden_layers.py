@@ -43,7 +43,7 @@ def tolerances(layer_type: str, what: str) -> dict:
 
 
 def _producer(net: Net, blob: str):
-    for layer, tops in zip(net.layers, net.top_names):
+    for layer, tops in zip(net.layer_list, net.top_lists):
         if blob in tops:
             return layer
     raise KeyError(blob)

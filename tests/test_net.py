@@ -129,7 +129,7 @@ def test_fan_out_accumulates_and_shared_params():
     layer { name: "s" type: "Eltwise" bottom: "a" bottom: "b" top: "s" }
     layer { name: "l" type: "EuclideanLoss" bottom: "s" bottom: "x" top: "l" }"""
     net = Net(text, caffe.TRAIN)
-    assert net.layer_dict["a"].blobs[0] is net.layer_dict["b"].blobs[0]
+    assert net.layer_by_name["a"].blobs[0] is net.layer_by_name["b"].blobs[0]
     x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
     net.forward(x=x)
     net.backward()
