@@ -1,1 +1,240 @@
-"""recurrent layers."""
+"""Recurrent layers: RNN, LSTM and the single-step LSTMUnit, with Caffe's exact semantics.
+
+Caffe builds RNN/LSTM as an unrolled internal net (``recurrent_layer.cpp``, ``rnn_layer.cpp``,
+``lstm_layer.cpp``); here the same equations run as a loop over time, vectorised over the batch
+and hidden units. The parameter blobs are the unrolled net's learnable params in Caffe's order:
+
+    RNN:  W_xh (H, I), b_h (H), [W_xh_static (H, S)], W_hh (H, H), W_ho (H, H), b_o (H)
+    LSTM: W_xc (4H, I), b_c (4H), [W_xc_static (4H, S)], W_hc (4H, H)     gates i, f, o, g
+
+with I = count(x, 2) and S = count(x_static, 1). Sequence continuation: ``cont_t`` multiplies
+h_{t-1} (and the LSTM's c_{t-1}), so 0 starts a new sequence. Without ``expose_hidden`` the layer
+keeps h_T (c_T) between forward calls as Caffe does (a batch with cont 1 at t=0 continues the
+previous batch); no gradient crosses batches. With ``expose_hidden`` the extra bottoms h0 [c0] are
+used as the initial state and the extra tops give h_T [c_T]; Caffe shares only their data, so no
+diff reaches h0/c0 and diffs given to h_T/c_T are ignored.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Layer, count, register
+
+
+# -- functional core --------------------------------------------------------------------------
+def lstm_unit(c_prev, gates, cont):
+    """One LSTM step: ``gates`` (..., 4H) in Caffe's order i, f, o, g; ``cont`` (...) scales the
+    forget path. Returns (c_t, h_t)."""
+    i, f, o, g = gates.chunk(4, dim=-1)
+    i, f, o, g = torch.sigmoid(i), torch.sigmoid(f), torch.sigmoid(o), torch.tanh(g)
+    c = cont.unsqueeze(-1) * f * c_prev + i * g
+    return c, o * torch.tanh(c)
+
+
+def rnn_sequence(x, cont, h0, w_xh, b_h, w_hh, w_ho, b_o, static=None):
+    """Caffe's RNN over x (T, N, I): h_t = tanh(W_hh (cont_t h_{t-1}) + W_xh x_t + b_h [+ static]),
+    o_t = tanh(W_ho h_t + b_o). ``static`` is the (N, H) W_xh_static x_static term.
+    Returns (o (T, N, H), h_T (N, H))."""
+    wx = torch.nn.functional.linear(x, w_xh, b_h)
+    h, hs = h0, []
+    for t in range(x.shape[0]):
+        pre = (h * cont[t].unsqueeze(-1)) @ w_hh.t() + wx[t]
+        if static is not None:
+            pre = pre + static
+        h = torch.tanh(pre)
+        hs.append(h)
+    o = torch.tanh(torch.nn.functional.linear(torch.stack(hs), w_ho, b_o))
+    return o, h
+
+
+def lstm_sequence(x, cont, h0, c0, w_xc, b_c, w_hc, static=None):
+    """Caffe's LSTM over x (T, N, I): gates_t = W_hc (cont_t h_{t-1}) + W_xc x_t + b_c [+ static],
+    then ``lstm_unit``. Returns (h (T, N, H), h_T, c_T)."""
+    wx = torch.nn.functional.linear(x, w_xc, b_c)
+    h, c, hs = h0, c0, []
+    for t in range(x.shape[0]):
+        gates = (h * cont[t].unsqueeze(-1)) @ w_hc.t() + wx[t]
+        if static is not None:
+            gates = gates + static
+        c, h = lstm_unit(c, gates, cont[t])
+        hs.append(h)
+    return torch.stack(hs), h, c
+
+
+# -- layers -----------------------------------------------------------------------------------
+class _Recurrent(Layer):
+    """Shared bottom/top handling of Caffe's RecurrentLayer; subclasses give the cell."""
+
+    min_bottoms = 2
+    n_state = 1          # recurrent blobs: RNN h; LSTM h and c
+    gate_mult = 1        # rows of the weight matrices per hidden unit: RNN 1, LSTM 4
+    in_place_ok = False
+
+    def _counts(self, n_bottoms: int) -> tuple[bool, bool]:
+        expose = self.param.recurrent_param.expose_hidden
+        static = n_bottoms > 2 + (self.n_state if expose else 0)
+        return expose, static
+
+    def allow_backward(self, i: int) -> bool:
+        # cont and the exposed initial states get no diff; x and x_static do.
+        _, static = self._counts(len(self.param.bottom))
+        return i == 0 or (static and i == 2)
+
+    def setup(self, bottom_shapes):
+        rp = self.param.recurrent_param
+        self.hidden = int(rp.num_output)
+        if self.hidden <= 0:
+            raise self.fail("recurrent_param.num_output must be positive")
+        x = bottom_shapes[0]
+        if len(x) < 2:
+            raise self.fail(f"bottom[0] must have at least 2 axes (T, N, ...), got {tuple(x)}")
+        self.T = int(x[0])
+        self.expose, self.static = self._counts(len(bottom_shapes))
+        n_expected = 2 + self.static + (self.n_state if self.expose else 0)
+        if len(bottom_shapes) != n_expected:
+            raise self.fail(f"takes x, cont{', x_static' if self.static else ''}"
+                            f"{' and the exposed hidden state' if self.expose else ''}: "
+                            f"{n_expected} bottoms, got {len(bottom_shapes)}")
+        n_tops = 1 + (self.n_state if self.expose else 0)
+        if self.num_tops != n_tops:
+            raise self.fail(f"needs {n_tops} top(s) (output{' and final state' if self.expose else ''}),"
+                            f" got {self.num_tops}")
+        static_dim = count(bottom_shapes[2], 1) if self.static else 0
+        self.blobs = self.make_blobs(count(x, 2), static_dim)
+        self._state = None
+
+    def reshape(self, bottom_shapes):
+        x, cont = tuple(bottom_shapes[0]), tuple(bottom_shapes[1])
+        if len(x) < 2 or x[0] != self.T:
+            raise self.fail(f"bottom[0] must be ({self.T}, N, ...): the number of timesteps is fixed "
+                            f"at setup; got {x}")
+        n = x[1]
+        if cont != (self.T, n):
+            raise self.fail(f"cont must be (T, N) = {(self.T, n)}, got {cont} for x {x}")
+        if self.static:
+            xs = tuple(bottom_shapes[2])
+            if len(xs) < 1 or xs[0] != n or count(xs, 1) != self.blobs[2].shape[1]:
+                raise self.fail(f"x_static must be (N={n}, {self.blobs[2].shape[1]} values), got {xs}")
+        state = (1, n, self.hidden)
+        if self.expose:
+            for j, s in enumerate(bottom_shapes[2 + self.static:]):
+                if tuple(s) != state:
+                    raise self.fail(f"bottom[{2 + self.static + j}] (initial hidden state) must be "
+                                    f"{state}, got {tuple(s)}")
+        return [(self.T, n, self.hidden)] + [state] * (self.n_state if self.expose else 0)
+
+    def reset(self) -> None:
+        """Zero the state carried between forward calls (Caffe's ``RecurrentLayer::Reset``)."""
+        self._state = None
+
+    def _initial_state(self, bottoms, like):
+        n = like.shape[1]
+        if self.expose:
+            return [b.detach().reshape(n, self.hidden) for b in bottoms[2 + self.static:]]
+        if self._state is not None and self._state[0].shape[0] == n:
+            return [s.to(like) for s in self._state]
+        return [like.new_zeros(n, self.hidden) for _ in range(self.n_state)]
+
+    def forward(self, bottoms):
+        x = bottoms[0]
+        T, n = x.shape[:2]
+        xf = x.reshape(T, n, -1)
+        cont = bottoms[1].detach().to(x.dtype)
+        static = None
+        if self.static:
+            static = bottoms[2].reshape(n, -1) @ self.blobs[2].t()
+        out, *final = self.run(xf, cont, self._initial_state(bottoms, x), static)
+        final = [f.detach() for f in final]
+        if not self.expose:
+            self._state = final
+            return [out]
+        return [out] + [f.reshape(1, n, self.hidden) for f in final]
+
+    def make_blobs(self, input_dim: int, static_dim: int) -> list[torch.Tensor]:
+        rp = self.param.recurrent_param
+        rows = self.gate_mult * self.hidden
+        blobs = [self.new_blob((rows, input_dim), rp.weight_filler),
+                 self.new_blob((rows,), rp.bias_filler)]
+        if static_dim:
+            blobs.append(self.new_blob((rows, static_dim), rp.weight_filler))
+        blobs.append(self.new_blob((rows, self.hidden), rp.weight_filler))
+        return blobs
+
+    def run(self, x, cont, state, static):
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"num_output={self.hidden}"
+
+
+@register("RNN")
+class RNN(_Recurrent):
+    """Elman RNN with a tanh output layer (Caffe's RNNLayer).
+
+    Bottoms: x (T, N, ...), cont (T, N), [x_static (N, ...)], [h0 (1, N, H) if expose_hidden].
+    Tops: o (T, N, H) with o_t = tanh(W_ho h_t + b_o), [h_T (1, N, H) if expose_hidden].
+    Params: recurrent_param num_output (H), weight_filler, bias_filler, expose_hidden.
+    Blobs: W_xh, b_h, [W_xh_static], W_hh, W_ho, b_o.
+    Differs from torch: nn.RNN has no output layer, no cont resets, and two bias vectors.
+    """
+
+    def make_blobs(self, input_dim, static_dim):
+        rp = self.param.recurrent_param
+        return super().make_blobs(input_dim, static_dim) + [
+            self.new_blob((self.hidden, self.hidden), rp.weight_filler),
+            self.new_blob((self.hidden,), rp.bias_filler)]
+
+    def run(self, x, cont, state, static):
+        b = self.blobs
+        w_hh, w_ho, b_o = b[-3], b[-2], b[-1]
+        return rnn_sequence(x, cont, state[0], b[0], b[1], w_hh, w_ho, b_o, static)
+
+
+@register("LSTM")
+class LSTM(_Recurrent):
+    """Long short-term memory over a sequence (Caffe's LSTMLayer), without peepholes.
+
+    Bottoms: x (T, N, ...), cont (T, N), [x_static (N, ...)], [h0, c0 (1, N, H) if expose_hidden].
+    Tops: h (T, N, H), [h_T, c_T (1, N, H) if expose_hidden].
+    Params: recurrent_param num_output (H), weight_filler, bias_filler, expose_hidden.
+    Blobs: W_xc (4H, I), b_c (4H), [W_xc_static (4H, S)], W_hc (4H, H); gate rows i, f, o, g.
+    Differs from torch: nn.LSTM orders gates i, f, g, o, has two biases and no cont resets.
+    """
+
+    n_state = 2
+    gate_mult = 4
+
+    def run(self, x, cont, state, static):
+        b = self.blobs
+        return lstm_sequence(x, cont, state[0], state[1], b[0], b[1], b[-1], static)
+
+
+@register("LSTMUnit")
+class LSTMUnit(Layer):
+    """One LSTM step (Caffe's LSTMUnitLayer), the cell the LSTM layer unrolls.
+
+    Bottoms: c_prev (1, N, H), gates (1, N, 4H) pre-activations in order i, f, o, g, cont (1, N).
+    Tops: c (1, N, H) = cont * f * c_prev + i * g, h (1, N, H) = o * tanh(c).
+    No params; cont gets no diff.
+    """
+
+    exact_bottoms = 3
+    exact_tops = 2
+    in_place_ok = False
+
+    def allow_backward(self, i: int) -> bool:
+        return i != 2
+
+    def reshape(self, bottom_shapes):
+        c, x, cont = (tuple(s) for s in bottom_shapes)
+        if len(c) != 3 or c[0] != 1:
+            raise self.fail(f"c_prev must be (1, N, H), got {c}")
+        n, h = c[1], c[2]
+        if x != (1, n, 4 * h) or cont != (1, n):
+            raise self.fail(f"with c_prev {c} the gates must be {(1, n, 4 * h)} and cont {(1, n)}; "
+                            f"got gates {x}, cont {cont}")
+        return [c, c]
+
+    def forward(self, bottoms):
+        c_prev, gates, cont = bottoms
+        return list(lstm_unit(c_prev, gates, cont.detach().to(gates.dtype)))
