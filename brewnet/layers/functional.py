@@ -1,1 +1,282 @@
-"""Caffe math as pure torch functions (pooling ceil rule, LRN, ...), tested alone."""
+"""Caffe math as pure torch functions (pooling ceil rule, LRN, ...), tested alone.
+
+Every function works on any float dtype and device and is differentiable by autograd; the
+gradients are Caffe's (Caffe's backward for these ops is the true derivative, with MAX pooling's
+gradient going to the first maximum). Sizes follow Caffe's integer rules, which differ from
+torch's in a few corners: each such place says so.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+FLT_MAX = 3.4028234663852886e38   # Caffe's start value for MAX pooling (-FLT_MAX)
+FLT_MIN = 1.1754943508222875e-38  # Caffe's start value for the STOCHASTIC TEST denominator
+
+Ints = Sequence[int]
+
+
+# -- output sizes ------------------------------------------------------------------------------
+def _trunc_div(a: int, b: int) -> int:
+    """C++ integer division (rounds toward zero)."""
+    q = abs(a) // b
+    return q if a >= 0 else -q
+
+
+def conv_out_size(size: int, kernel: int, stride: int, pad: int, dilation: int = 1) -> int:
+    """Caffe's convolution / im2col rule ``(size + 2p - extent) / stride + 1`` in C++ integer
+    division: a kernel up to ``stride - 1`` wider than the padded input still gives one output
+    (torch refuses this; Caffe reads zeros past the padding)."""
+    extent = dilation * (kernel - 1) + 1
+    return _trunc_div(size + 2 * pad - extent, stride) + 1
+
+
+def deconv_out_size(size: int, kernel: int, stride: int, pad: int, dilation: int = 1) -> int:
+    """Caffe's deconvolution rule ``stride (size - 1) + extent - 2 pad``."""
+    return stride * (size - 1) + dilation * (kernel - 1) + 1 - 2 * pad
+
+
+def pool_out_shape(in_hw: Ints, kernel: Ints, stride: Ints, pad: Ints,
+                   ceil_mode: bool = True) -> tuple[int, int]:
+    """Caffe's pooled (H, W): ``ceil`` (or floor) of ``(H + 2p - k) / s`` plus one; then, if any
+    pad is non-zero, each dim whose last window would start at or past ``H + p`` loses it.
+
+    Differs from torch: torch clips in ceil mode even without padding, Caffe only with padding
+    (and then in both dims, even one whose own pad is 0)."""
+    out = []
+    for h, k, s, p in zip(in_hw, kernel, stride, pad):
+        num = h + 2 * p - k
+        o = (-(-num // s) if ceil_mode else num // s) + 1
+        if any(pad) and (o - 1) * s >= h + p:
+            o -= 1
+        out.append(o)
+    return out[0], out[1]
+
+
+def _torch_pool_out(h: int, k: int, s: int, p: int, ceil_mode: bool) -> int:
+    """The pooled size torch's own pooling kernels would produce."""
+    o = (h + 2 * p - k + (s - 1 if ceil_mode else 0)) // s + 1
+    if ceil_mode and (o - 1) * s >= h + p:
+        o -= 1
+    return o
+
+
+def _native_pool_ok(in_hw, out_hw, kernel, stride, pad, ceil_mode) -> bool:
+    """True when torch's padded pooling visits exactly Caffe's windows."""
+    return all(p <= k // 2 and _torch_pool_out(h, k, s, p, ceil_mode) == o
+               for h, o, k, s, p in zip(in_hw, out_hw, kernel, stride, pad))
+
+
+def _edge_pads(in_hw, out_hw, kernel, stride, pad) -> list[int]:
+    """F.pad amounts (W left, W right, H left, H right) making the padded plane hold exactly the
+    windows Caffe visits (negative right pads crop what no window reaches)."""
+    pads = []
+    for h, o, k, s, p in reversed(list(zip(in_hw, out_hw, kernel, stride, pad))):
+        pads += [p, (o - 1) * s + k - p - h]
+    return pads
+
+
+# -- pooling ---------------------------------------------------------------------------------
+def max_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints, ceil_mode: bool = True,
+               return_mask: bool = False):
+    """Caffe MAX pooling of (N, C, H, W); returns ``(top, mask)``.
+
+    Each window is clipped to the image; the value is the first strict maximum in row-major order
+    starting from -FLT_MAX, so a window with nothing above -FLT_MAX gives -FLT_MAX and mask -1.
+    ``mask`` (only with ``return_mask``, else None) is the flat index ``h * W + w`` as x's dtype.
+    Differs from torch: Caffe's window count (``pool_out_shape``), pad up to ``kernel - 1``,
+    -FLT_MAX instead of -inf for empty windows; NaNs are skipped by Caffe but win in torch.
+    """
+    in_hw = tuple(x.shape[-2:])
+    out_hw = pool_out_shape(in_hw, kernel, stride, pad, ceil_mode)
+    if _native_pool_ok(in_hw, out_hw, kernel, stride, pad, ceil_mode):
+        y, idx = F.max_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode,
+                              return_indices=True)
+    else:
+        pads = _edge_pads(in_hw, out_hw, kernel, stride, pad)
+        xp = F.pad(x, pads, value=float("-inf"))
+        y, idx = F.max_pool2d(xp, tuple(kernel), tuple(stride), return_indices=True)
+        # indices are into the padded plane: map back to the image's flat index
+        wp = xp.shape[-1]
+        idx = (idx // wp - pad[0]) * in_hw[1] + (idx % wp - pad[1])
+    y = y.clamp_min(-FLT_MAX)
+    mask = None
+    if return_mask:
+        mask = torch.where(y > -FLT_MAX, idx.to(x.dtype), torch.full_like(y, -1.0)).detach()
+    return y, mask
+
+
+def _axis_divisors(h: int, o: int, k: int, s: int, p: int) -> list[int]:
+    # window [start, min(start + k, h + p)): counts padding, but not past the far padding edge
+    return [min(i * s - p + k, h + p) - (i * s - p) for i in range(o)]
+
+
+@functools.lru_cache(maxsize=256)
+def ave_pool_divisor(in_hw: tuple, out_hw: tuple, kernel: tuple, stride: tuple, pad: tuple,
+                     device: torch.device = torch.device("cpu"),
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Caffe's AVE divisor map (outH, outW): each window clipped to ``[-p, H + p)``, i.e. padding
+    counts but the part of a ceil-rule window past the far padding does not."""
+    dh = _axis_divisors(in_hw[0], out_hw[0], kernel[0], stride[0], pad[0])
+    dw = _axis_divisors(in_hw[1], out_hw[1], kernel[1], stride[1], pad[1])
+    d = torch.tensor(dh, dtype=torch.float64)[:, None] * torch.tensor(dw, dtype=torch.float64)
+    return d.to(device=device, dtype=dtype)
+
+
+def ave_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints,
+               ceil_mode: bool = True) -> torch.Tensor:
+    """Caffe AVE pooling of (N, C, H, W): the sum of the in-image part of each window divided by
+    ``ave_pool_divisor``. Where torch visits the same windows, its ``count_include_pad`` divisor
+    is the same formula, so the native kernel is used; otherwise sums of an explicitly padded
+    plane are divided by the divisor map.
+    """
+    in_hw = tuple(x.shape[-2:])
+    out_hw = pool_out_shape(in_hw, kernel, stride, pad, ceil_mode)
+    if _native_pool_ok(in_hw, out_hw, kernel, stride, pad, ceil_mode):
+        return F.avg_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode,
+                            count_include_pad=True)
+    xp = F.pad(x, _edge_pads(in_hw, out_hw, kernel, stride, pad))
+    sums = F.avg_pool2d(xp, tuple(kernel), tuple(stride), divisor_override=1)
+    div = ave_pool_divisor(in_hw, out_hw, tuple(kernel), tuple(stride), tuple(pad),
+                           x.device, x.dtype)
+    return sums / div
+
+
+def stochastic_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, train: bool,
+                      ceil_mode: bool = True, generator: torch.Generator | None = None):
+    """Caffe STOCHASTIC pooling (no padding; windows clipped to the image), as Caffe's GPU code.
+
+    TRAIN: per window draw u in (0, 1] and take the first element whose running sum reaches
+    ``u * sum(window)``; the gradient goes to that element. TEST: the probability-weighted
+    average ``sum(x^2) / (FLT_MIN + sum(x))``, differentiated exactly. Inputs are meant to be
+    non-negative (after a ReLU), as in Caffe.
+    Differs from Caffe: runs on every device (Caffe's CPU code aborts); TEST backward is the true
+    derivative (Caffe reuses stale sample indices); the random stream is torch's.
+    """
+    in_hw = tuple(x.shape[-2:])
+    out_hw = pool_out_shape(in_hw, kernel, stride, (0, 0), ceil_mode)
+    xp = F.pad(x, _edge_pads(in_hw, out_hw, kernel, stride, (0, 0)))
+    n, c = x.shape[:2]
+    win = F.unfold(xp.reshape(n * c, 1, *xp.shape[-2:]), tuple(kernel), stride=tuple(stride))
+    win = win.view(n, c, kernel[0] * kernel[1], *out_hw)      # (N, C, kh*kw, outH, outW)
+    if not train:
+        return (win * win).sum(2) / (win.sum(2) + FLT_MIN)
+    cum = win.detach().cumsum(2)
+    u = 1.0 - torch.rand(cum[:, :, :1].shape, generator=generator, dtype=x.dtype,
+                         device=x.device)
+    hit = (cum >= u * cum[:, :, -1:]).to(torch.uint8)
+    pick = hit.argmax(2, keepdim=True)                        # first window position that hits
+    return win.gather(2, pick).squeeze(2)
+
+
+# -- LRN -------------------------------------------------------------------------------------
+def lrn_across_channels(x: torch.Tensor, size: int, alpha: float, beta: float,
+                        k: float) -> torch.Tensor:
+    """``x / (k + alpha/size * sum of x^2 over channels [c - (size-1)/2, c + (size-1)/2])^beta``
+    with channels outside the blob counting as zero (Caffe ACROSS_CHANNELS, odd ``size``)."""
+    n, c = x.shape[:2]
+    sq = (x * x).reshape(n, 1, c, -1)
+    mean = F.avg_pool2d(sq, (size, 1), stride=1, padding=((size - 1) // 2, 0),
+                        count_include_pad=True).view_as(x)
+    return x * (k + alpha * mean).pow(-beta)
+
+
+def lrn_within_channel(x: torch.Tensor, size: int, alpha: float, beta: float) -> torch.Tensor:
+    """``x * (1 + alpha/size^2 * sum of x^2 over the size x size window)^-beta``, zero padded
+    (Caffe WITHIN_CHANNEL: its AVE pool divides by size^2 everywhere; ``k`` is not used)."""
+    pad = (size - 1) // 2
+    mean = F.avg_pool2d(x * x, size, stride=1, padding=pad, count_include_pad=True)
+    return x * (1 + alpha * mean).pow(-beta)
+
+
+# -- convolution, deconvolution, im2col ---------------------------------------------------------
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_DECONV = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _pad_for_caffe(x: torch.Tensor, kernel, stride, pad, dilation):
+    """Zero-pad the far side where Caffe's truncating size rule asks for windows past the
+    padding; returns (x, pad) for the convolution."""
+    extra = []
+    for size, k, s, p, d in zip(x.shape[2:], kernel, stride, pad, dilation):
+        o = conv_out_size(size, k, s, p, d)
+        extra.append(max(0, (o - 1) * s + d * (k - 1) + 1 - (size + 2 * p)))
+    if any(extra):
+        x = F.pad(x, [a for e in reversed(extra) for a in (0, e)])
+    return x
+
+
+def conv_nd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Ints,
+            pad: Ints, dilation: Ints, groups: int) -> torch.Tensor:
+    """Caffe convolution (cross-correlation) of (N, C, *spatial) with any number of spatial dims;
+    weight (num_output, C/groups, *kernel). 0-D is a grouped matmul, 1-3-D use torch's kernels,
+    more dims sum strided slices over kernel offsets (the im2col product Caffe computes)."""
+    d = x.dim() - 2
+    if d == 0:
+        return conv_nd(x[..., None], weight[..., None], bias, (1,), (0,), (1,), groups)[..., 0]
+    kernel = weight.shape[2:]
+    x = _pad_for_caffe(x, kernel, stride, pad, dilation)
+    if d in _CONV:
+        return _CONV[d](x, weight, bias, tuple(stride), tuple(pad), tuple(dilation), groups)
+    out_sz = [conv_out_size(s, k, st, p, dl) for s, k, st, p, dl
+              in zip(x.shape[2:], kernel, stride, pad, dilation)]
+    xp = F.pad(x, [a for p in reversed(pad) for a in (p, p)])
+    n, c, g, o = x.shape[0], x.shape[1], groups, weight.shape[0]
+    out = x.new_zeros(n, g, o // g, *out_sz)
+    for offs in itertools.product(*(range(k) for k in kernel)):
+        sl = tuple(slice(i * dl, i * dl + st * (m - 1) + 1, st)
+                   for i, dl, st, m in zip(offs, dilation, stride, out_sz))
+        patch = xp[(slice(None), slice(None)) + sl].reshape(n, g, c // g, -1)
+        w = weight[(slice(None), slice(None)) + offs].reshape(g, o // g, c // g)
+        out = out + torch.einsum("ngcl,goc->ngol", patch, w).view_as(out)
+    out = out.reshape(n, o, *out_sz)
+    return out if bias is None else out + bias.view(1, -1, *([1] * d))
+
+
+def deconv_nd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Ints,
+              pad: Ints, dilation: Ints, groups: int) -> torch.Tensor:
+    """Caffe deconvolution (the adjoint of ``conv_nd``) of (N, C, *spatial); weight
+    (C, num_output/groups, *kernel), which is torch's transposed-convolution layout.
+    Output size ``stride (in - 1) + extent - 2 pad`` per spatial dim."""
+    d = x.dim() - 2
+    if d == 0:
+        return deconv_nd(x[..., None], weight[..., None], bias, (1,), (0,), (1,), groups)[..., 0]
+    if d in _DECONV:
+        return _DECONV[d](x, weight, bias, tuple(stride), tuple(pad), 0, groups, tuple(dilation))
+    kernel = weight.shape[2:]
+    n, c, g, o = x.shape[0], x.shape[1], groups, weight.shape[1] * groups
+    full = [st * (m - 1) + dl * (k - 1) + 1 for m, k, st, dl in zip(x.shape[2:], kernel, stride,
+                                                                     dilation)]
+    out = x.new_zeros(n, o, *full)
+    xg = x.reshape(n, g, c // g, -1)
+    for offs in itertools.product(*(range(k) for k in kernel)):
+        sl = tuple(slice(i * dl, i * dl + st * (m - 1) + 1, st)
+                   for i, dl, st, m in zip(offs, dilation, stride, x.shape[2:]))
+        w = weight[(slice(None), slice(None)) + offs].reshape(g, c // g, o // g)
+        out[(slice(None), slice(None)) + sl] += torch.einsum("ngcl,gco->ngol", xg, w).reshape(
+            n, o, *x.shape[2:])
+    out = out[(slice(None), slice(None)) + tuple(slice(p, f - p) for p, f in zip(pad, full))]
+    return out if bias is None else out + bias.view(1, -1, *([1] * d))
+
+
+def im2col(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints, dilation: Ints) -> torch.Tensor:
+    """Caffe's im2col of (N, C, *spatial) as a blob (N, C * prod(kernel), *out): channel index
+    ``(c * kh + i) * kw + j`` (F.unfold's order), zeros outside the image."""
+    d = x.dim() - 2
+    x = _pad_for_caffe(x, kernel, stride, pad, dilation)
+    out_sz = [conv_out_size(s, k, st, p, dl) for s, k, st, p, dl
+              in zip(x.shape[2:], kernel, stride, pad, dilation)]
+    n, c = x.shape[:2]
+    if d == 2:
+        cols = F.unfold(x, tuple(kernel), tuple(dilation), tuple(pad), tuple(stride))
+        return cols.view(n, -1, *out_sz)
+    cols = F.pad(x, [a for p in reversed(pad) for a in (p, p)])
+    for i, (k, st, dl) in enumerate(zip(kernel, stride, dilation)):
+        cols = cols.unfold(2 + i, dl * (k - 1) + 1, st)       # window dims appended at the end
+    cols = cols[(Ellipsis,) + tuple(slice(None, None, dl) for dl in dilation)]
+    perm = [0, 1] + list(range(2 + d, 2 + 2 * d)) + list(range(2, 2 + d))
+    return cols.permute(perm).reshape(n, -1, *out_sz)
