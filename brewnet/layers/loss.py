@@ -49,50 +49,20 @@ def _labels(label: torch.Tensor, ignore: int | None):
     return torch.where(valid, lab, torch.zeros_like(lab)), valid
 
 
-class _SoftmaxLoss(torch.autograd.Function):
-    """x (outer, C, inner), labels (outer, 1, inner) -> -sum log(max(p_label, FLT_MIN)) / norm.
-    Backward: (p - onehot) * g / norm, clamped or not; 0 at ignored positions."""
+class _WeightedLogLoss(torch.autograd.Function):
+    """x (outer, K, inner), labels (outer, 1, inner), H (K, K) or None (identity) ->
+    -sum_l H[label, l] log(max(p_l, floor)) / norm with p = softmax over K (SoftmaxWithLoss:
+    H = I, floor FLT_MIN; InfogainLoss: floor 1e-20). Caffe's backward, clamped or not:
+    (p * rowsum(H)[label] - H[label, :]) * g / norm (= p - onehot for H = I); 0 where ignored."""
 
     @staticmethod
-    def forward(ctx, x, lab, valid, norm):
+    def forward(ctx, x, lab, valid, h, floor, norm):
         logp = torch.log_softmax(x, 1)
-        picked = logp.gather(1, lab).clamp_min(math.log(FLT_MIN))
-        if valid is not None:
-            picked = picked * valid
-        ctx.save_for_backward(logp, lab, valid)
-        ctx.norm = norm
-        return -picked.sum() / norm
-
-    @staticmethod
-    def backward(ctx, g):
-        logp, lab, valid = ctx.saved_tensors
-        dx = logp.exp()
-        dx.scatter_add_(1, lab, -torch.ones_like(lab, dtype=dx.dtype))
-        if valid is not None:
-            dx = dx * valid
-        return dx * (g / ctx.norm), None, None, None
-
-
-def softmax_loss(x, label, axis=1, ignore=None, mode=VALID):
-    """Caffe's SoftmaxWithLoss value (0-D) for scores x with classes on ``axis``."""
-    outer, c, inner = count(x.shape, 0, axis), x.shape[axis], count(x.shape, axis + 1)
-    lab, valid = _labels(label.reshape(outer, 1, inner), ignore)
-    if valid is not None:
-        valid = valid.to(x.dtype)
-    norm = normalizer(mode, outer, inner, None if valid is None else valid.sum())
-    return _SoftmaxLoss.apply(x.reshape(outer, c, inner), lab, valid, norm)
-
-
-class _InfogainLoss(torch.autograd.Function):
-    """x (outer, K, inner), labels (outer, 1, inner), H (K, K) ->
-    -sum_l H[label, l] log(max(p_l, 1e-20)) / norm. Backward: (p * rowsum(H)[label] - H[label, :])
-    * g / norm, 0 at ignored positions."""
-
-    @staticmethod
-    def forward(ctx, x, lab, valid, h, norm):
-        logp = torch.log_softmax(x, 1)
-        rows = h[lab[:, 0]].permute(0, 2, 1)              # (outer, K, inner): H[label, l]
-        per = rows * logp.clamp_min(math.log(LOG_THRESHOLD))
+        if h is None:
+            rows = torch.zeros_like(x).scatter_(1, lab, 1.0)
+        else:
+            rows = h[lab[:, 0]].permute(0, 2, 1)            # (outer, K, inner): H[label, l]
+        per = rows * logp.clamp_min(math.log(floor))
         if valid is not None:
             per = per * valid
         ctx.save_for_backward(logp, rows, valid)
@@ -105,12 +75,30 @@ class _InfogainLoss(torch.autograd.Function):
         dx = logp.exp() * rows.sum(1, keepdim=True) - rows
         if valid is not None:
             dx = dx * valid
-        return dx * (g / ctx.norm), None, None, None, None
+        return dx * (g / ctx.norm), None, None, None, None, None
+
+
+def weighted_log_loss(x, label, axis=1, ignore=None, mode=VALID, h=None, floor=FLT_MIN):
+    """Caffe's SoftmaxWithLoss (h None) or InfogainLoss (h = H) value, 0-D, for scores x with
+    classes on ``axis`` and float labels counting outer * inner."""
+    outer, k, inner = count(x.shape, 0, axis), x.shape[axis], count(x.shape, axis + 1)
+    lab, valid = _labels(label.reshape(outer, 1, inner), ignore)
+    if valid is not None:
+        valid = valid.to(x.dtype)
+    norm = normalizer(mode, outer, inner, None if valid is None else valid.sum())
+    if h is not None:
+        h = h.detach().to(device=x.device, dtype=x.dtype).reshape(k, k)
+    return _WeightedLogLoss.apply(x.reshape(outer, k, inner), lab, valid, h, floor, norm)
+
+
+def softmax_loss(x, label, axis=1, ignore=None, mode=VALID):
+    """Caffe's SoftmaxWithLoss value (0-D) for scores x with classes on ``axis``."""
+    return weighted_log_loss(x, label, axis, ignore, mode)
 
 
 class _MultinomialLogistic(torch.autograd.Function):
     """p (N, K), labels (N, 1) -> -sum log(max(p_label, 1e-20)) / N; backward
-    -g / (N * max(p_label, 1e-20)) at the label (also where p was clamped)."""
+    -g / (N * max(p_label, 1e-20)) at the label, clamped or not."""
 
     @staticmethod
     def forward(ctx, p, lab):
@@ -156,6 +144,17 @@ class _Contrastive(torch.autograd.Function):
         return da, -da, None, None, None
 
 
+def class_axis(layer: Layer, shapes, axis_field: int) -> int:
+    """Canonical class axis of bottom 0; the labels (bottom 1) must count outer * inner."""
+    x, label = shapes[0], shapes[1]
+    axis = canonical_axis(axis_field, len(x), layer)
+    if count(x, 0, axis) * count(x, axis + 1) != count(label):
+        raise layer.fail(f"number of labels must match number of predictions: with classes on "
+                         f"axis {axis} of {tuple(x)}, label shape {tuple(label)} must count "
+                         f"{count(x, 0, axis) * count(x, axis + 1)}")
+    return axis
+
+
 # -- layers ----------------------------------------------------------------------------------------
 class _Loss(Layer):
     """Caffe's LossLayer: data + label bottoms of equal shape(0), one 0-D loss top."""
@@ -177,16 +176,6 @@ class _Loss(Layer):
     def _ignore(self):
         lp = self.param.loss_param
         return lp.ignore_label if lp.HasField("ignore_label") else None
-
-    def _label_count(self, shapes, axis_field):
-        """Classes on ``axis``: returns the canonical axis; labels must count outer * inner."""
-        x, label = shapes[0], shapes[1]
-        axis = canonical_axis(axis_field, len(x), self)
-        if count(x, 0, axis) * count(x, axis + 1) != count(label):
-            raise self.fail(f"number of labels must match number of predictions: with classes on "
-                            f"axis {axis} of {tuple(x)}, label shape {tuple(label)} must count "
-                            f"{count(x, 0, axis) * count(x, axis + 1)}")
-        return axis
 
 
 @register("SoftmaxWithLoss")
@@ -210,7 +199,7 @@ class SoftmaxWithLoss(_Loss):
 
     def reshape(self, bottom_shapes):
         tops = super().reshape(bottom_shapes)
-        self._label_count(bottom_shapes, self.param.softmax_param.axis)
+        class_axis(self, bottom_shapes, self.param.softmax_param.axis)
         return tops + [tuple(bottom_shapes[0])] * (self.num_tops - 1)
 
     def forward(self, bottoms):
@@ -327,7 +316,7 @@ class InfogainLoss(_Loss):
 
     def reshape(self, bottom_shapes):
         tops = super().reshape(bottom_shapes)
-        axis = self._label_count(bottom_shapes, self.param.infogain_loss_param.axis)
+        axis = class_axis(self, bottom_shapes, self.param.infogain_loss_param.axis)
         k = bottom_shapes[0][axis]
         h_shape = tuple(bottom_shapes[2]) if len(bottom_shapes) > 2 else tuple(self.h.shape)
         if count(h_shape) != k * k:
@@ -338,34 +327,23 @@ class InfogainLoss(_Loss):
     def forward(self, bottoms):
         x, label = bottoms[0], bottoms[1]
         axis = canonical_axis(self.param.infogain_loss_param.axis, x.dim(), self)
-        outer, k, inner = count(x.shape, 0, axis), x.shape[axis], count(x.shape, axis + 1)
         h = bottoms[2] if len(bottoms) > 2 else self.h
-        h = h.detach().to(device=x.device, dtype=x.dtype).reshape(k, k)
-        lab, valid = _labels(label.reshape(outer, 1, inner), self.ignore)
-        if valid is not None:
-            valid = valid.to(x.dtype)
-        norm = normalizer(self.mode, outer, inner, None if valid is None else valid.sum())
-        tops = [_InfogainLoss.apply(x.reshape(outer, k, inner), lab, valid, h, norm)]
+        tops = [weighted_log_loss(x, label, axis, self.ignore, self.mode, h, LOG_THRESHOLD)]
         if self.num_tops > 1:
             tops.append(torch.softmax(x, axis))
         return tops
 
-    def allow_backward(self, i):
-        return i == 0
-
 
 def _read_blob(layer: Layer, infogain_param) -> torch.Tensor:
     """The H matrix of InfogainLoss from its binary BlobProto file."""
+    from ..proto.io import ProtoError, read_binaryproto
+
     if not infogain_param.HasField("source"):
         raise layer.fail("infogain matrix source must be specified (or given as a third bottom)")
-    blob = pb.BlobProto()
     try:
-        with open(infogain_param.source, "rb") as f:
-            blob.ParseFromString(f.read())
-    except OSError as e:
-        raise layer.fail(f"cannot read infogain matrix '{infogain_param.source}': {e}") from None
-    values = list(blob.double_data) or list(blob.data)
-    return torch.tensor(values, dtype=torch.float32)
+        return torch.from_numpy(read_binaryproto(infogain_param.source))
+    except ProtoError as e:
+        raise layer.fail(f"cannot read the infogain matrix: {e}") from None
 
 
 @register("MultinomialLogisticLoss")
@@ -440,11 +418,7 @@ class Accuracy(Layer):
         if count(label) == 0 or p.top_k > count(x) // count(label):
             raise self.fail(f"top_k {p.top_k} must be less than or equal to the number of classes "
                             f"(data shape {tuple(x)}, label shape {tuple(label)})")
-        axis = canonical_axis(p.axis, len(x), self)
-        if count(x, 0, axis) * count(x, axis + 1) != count(label):
-            raise self.fail(f"number of labels must match number of predictions: with classes on "
-                            f"axis {axis} of {tuple(x)}, label shape {tuple(label)} must count "
-                            f"{count(x, 0, axis) * count(x, axis + 1)}")
+        axis = class_axis(self, bottom_shapes, p.axis)
         return [()] + [(x[axis],)] * (self.num_tops - 1)
 
     def forward(self, bottoms):
