@@ -108,8 +108,14 @@ class Net:
             self.to(self.device)
 
     def _append(self, lp) -> None:
-        i = len(self.layer_list)
-        layer = layer_class(lp.type, lp.name)(lp, self.phase)
+        cls = layer_class(lp.type, lp.name)
+        if cls.is_loss and not lp.top:
+            # Caffe's AutoTopBlobs: a loss layer written without a top still gets its loss top.
+            name, k = "(automatic)", 0
+            while name in self.blobs:
+                k, name = k + 1, f"(automatic){k + 1}"
+            lp.top.append(name)
+        layer = cls(lp, self.phase)
         bottoms = list(lp.bottom)
         for j, b in enumerate(bottoms):
             if b not in self.blobs:
