@@ -46,7 +46,7 @@ def reshape_shape(bottom, dims, axis=0, num_axes=-1, who=None):
     top = list(bottom[:start]) + new + list(bottom[end:])
     total = count(bottom)
     if -1 in new:
-        known = -count([d for d in top])  # product with the -1 negated away
+        known = count([d for d in top if d != -1])
         if known == 0 or total % known:
             raise fail(f"bottom count {total} (shape {tuple(bottom)}) is not divisible by the "
                        f"product {known} of the reshape dims {list(dims)}")
@@ -296,8 +296,7 @@ class Flatten(Layer):
         e = canonical_axis(p.end_axis, len(s), self)
         if e < a:
             raise self.fail(f"end_axis {p.end_axis} comes before axis {p.axis} for shape {s}")
-        self.top_shape = s[:a] + (count(s, a, e + 1),) + s[e + 1:]
-        return [self.top_shape]
+        return [s[:a] + (count(s, a, e + 1),) + s[e + 1:]]
 
     def forward(self, bottoms):
         x = bottoms[0]
