@@ -168,10 +168,13 @@ def test_forward_range_and_reshape():
     net.forward(end="relu")
     out = net.forward(start="ip")
     np.testing.assert_allclose(out["loss"], full, rtol=1e-6)
-    net.blobs["data"].reshape(2, 3, 7, 7)
+    net.blobs["data"].reshape(2, 3, 5, 5)
     net.blobs["label"].reshape(2)
     net.reshape()
-    assert net.blobs["conv"].shape == (2, 2, 5, 5)
+    assert net.blobs["conv"].shape == (2, 2, 3, 3) and net.blobs["ip"].shape == (2, 3)
+    net.blobs["data"].reshape(2, 3, 7, 7)           # the inner product no longer fits
+    with pytest.raises(ValueError, match=r"Layer 'ip'.*\(2, 2, 5, 5\)"):
+        net.reshape()
     with pytest.raises(NetError, match="no layer named"):
         net.forward(end="nope")
 
