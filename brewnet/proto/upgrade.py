@@ -265,15 +265,11 @@ def _upgrade_v0_layer(conn, out) -> bool:
         fd = dest.DESCRIPTOR.fields_by_name[name]
         if fd.message_type is not None:
             getattr(dest, name).CopyFrom(value)
-        elif _is_repeated(fd):
+        elif fd.is_repeated:
             getattr(dest, name).append(value)
         else:
             setattr(dest, name, value)   # V0 and V1 PoolMethod enums share their numbers
     return ok
-
-
-def _is_repeated(fd) -> bool:
-    return getattr(fd, "is_repeated", None) or fd.label == fd.LABEL_REPEATED
 
 
 def upgrade_data_transformation(net) -> None:
