@@ -25,6 +25,9 @@ class Blob:
     @tensor.setter
     def tensor(self, t: torch.Tensor) -> None:
         self._host.pop("data", None)
+        if t.shape != self._d.shape:   # a data-dependent top (Filter) changed shape in forward
+            self._host.pop("diff", None)
+            self._d = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
         self._t = t
 
     @property
