@@ -100,9 +100,9 @@ def max_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints, ceil_mode
         pads = _edge_pads(in_hw, out_hw, kernel, stride, pad)
         xp = F.pad(x, pads, value=float("-inf"))
         y, idx = F.max_pool2d(xp, tuple(kernel), tuple(stride), return_indices=True)
-        # indices are into the padded plane: map back to the image's flat index
-        wp = xp.shape[-1]
-        idx = (idx // wp - pad[0]) * in_hw[1] + (idx % wp - pad[1])
+        if return_mask:  # indices are into the padded plane: map back to the image's flat index
+            wp = xp.shape[-1]
+            idx = (idx // wp - pad[0]) * in_hw[1] + (idx % wp - pad[1])
     y = y.clamp_min(-FLT_MAX)
     mask = None
     if return_mask:
