@@ -13,7 +13,7 @@ from helpers import gradcheck_layer, make_layer
 
 
 def layer(body: str, shapes, phase=pb.TEST, bottoms=("data",), tops=("top",)):
-    text = " ".join([f'name: "l"'] + [f'bottom: "{b}"' for b in bottoms]
+    text = " ".join(['name: "l"'] + [f'bottom: "{b}"' for b in bottoms]
                     + [f'top: "{t}"' for t in tops] + [body])
     return make_layer(text, shapes, phase)
 
