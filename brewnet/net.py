@@ -90,8 +90,9 @@ class Net:
         self._shapes: dict[str, tuple] = {}
         names = set()
         for lp in self.param.layer:
-            if lp.name in names:
-                raise NetError(f"Duplicate layer name '{lp.name}'")
+            if lp.name in names:  # Caffe allows it (mnist_autoencoder has two 'loss' layers)
+                log.warning("Net '%s': duplicate layer name '%s'; by-name lookups see the last one",
+                            self.name, lp.name)
             names.add(lp.name)
             self._append(lp)
         consumed = {b for bs in self.bottom_lists for b in bs}
@@ -232,6 +233,9 @@ class Net:
         for b in self.blobs.values():
             b.tensor = b.tensor.detach().to(device=device, dtype=dtype or b.tensor.dtype)
             b.diff_tensor = b.diff_tensor.to(device=device, dtype=dtype or b.diff_tensor.dtype)
+        if device.type == "cuda":
+            # cuDNN's default TF32 convolutions are ~1e-3 off; Caffe's numbers need true float32.
+            torch.backends.cudnn.allow_tf32 = False
         self.device = device
         return self
 
