@@ -1,0 +1,20 @@
+"""Caffe's Nesterov momentum (``nesterov_solver.cpp``):
+
+    h' = momentum * h + local_rate * g;   step = (1 + momentum) * h' - momentum * h
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import register
+from .sgd import SGDSolver
+
+
+@register("Nesterov")
+class NesterovSolver(SGDSolver):
+    def compute_update(self, i, param, grad, local_rate):
+        h = self.history[i]
+        m = float(self.param.momentum)
+        prev = h.clone()
+        h.mul_(m).add_(grad, alpha=local_rate)
+        grad.copy_(h).mul_(float(np.float32(1) + np.float32(self.param.momentum))).sub_(prev, alpha=m)
