@@ -124,7 +124,8 @@ def test_one_step_at_a_time_equals_all_at_once(kind):
     np.testing.assert_allclose(again.detach().numpy(), ref, rtol=1e-5, atol=1e-6)
     full.reset()
     fresh = full.forward([x.float(), torch.ones_like(cont).float()])[0]
-    ref = (np_lstm if kind == "LSTM" else np_rnn)(x.numpy(), np.ones_like(cont.numpy()), blobs_np(full))[0]
+    fn = np_lstm if kind == "LSTM" else np_rnn
+    ref = fn(x.numpy(), np.ones_like(cont.numpy()), blobs_np(full))[0]
     np.testing.assert_allclose(fresh.detach().numpy(), ref, rtol=1e-5, atol=1e-6)
 
 
@@ -188,7 +189,8 @@ def test_lstm_unit_forward_and_gradient():
     assert tops == [(1, N, H), (1, N, H)] and layer.blobs == []
     c, h = layer.forward([c_prev, gates, cont])
     g = gates.numpy()[0]
-    i, f, o, gg = sigmoid(g[:, :H]), sigmoid(g[:, H:2 * H]), sigmoid(g[:, 2 * H:3 * H]), np.tanh(g[:, 3 * H:])
+    i, f, o = sigmoid(g[:, :H]), sigmoid(g[:, H:2 * H]), sigmoid(g[:, 2 * H:3 * H])
+    gg = np.tanh(g[:, 3 * H:])
     c_ref = cont.numpy()[0][:, None] * f * c_prev.numpy()[0] + i * gg
     np.testing.assert_allclose(c.numpy()[0], c_ref, rtol=1e-12)
     np.testing.assert_allclose(h.numpy()[0], o * np.tanh(c_ref), rtol=1e-12)

@@ -1,0 +1,160 @@
+"""Bounding-box math of the SSD fork (weiliu89/caffe ``src/caffe/util/bbox_util.cpp``), vectorised.
+
+Boxes are (..., 4) tensors [xmin, ymin, xmax, ymax] in normalised image coordinates. The fork
+keeps boxes in float protobuf fields, so callers pass float32; the expressions keep the fork's
+operation order so the float32 results agree with it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+CORNER, CENTER_SIZE, CORNER_SIZE = 1, 2, 3     # PriorBoxParameter.CodeType
+BIPARTITE, PER_PREDICTION = 0, 1               # MultiBoxLossParameter.MatchType
+
+
+class BoxError(ValueError):
+    """Boxes the fork refuses (its CHECKs); layers re-raise it naming themselves."""
+
+
+def size(b: torch.Tensor, normalized: bool = True) -> torch.Tensor:
+    """BBoxSize: w * h (``normalized``) or (w + 1) * (h + 1) (pixel boxes); 0 if inverted."""
+    w, h = b[..., 2] - b[..., 0], b[..., 3] - b[..., 1]
+    area = w * h if normalized else (w + 1) * (h + 1)
+    return torch.where((w < 0) | (h < 0), torch.zeros_like(area), area)
+
+
+def jaccard(a: torch.Tensor, b: torch.Tensor, sa=None, sb=None, normalized: bool = True):
+    """JaccardOverlap of every box of a (M, 4) with every box of b (K, 4) -> (M, K). ``sa``/``sb``
+    are the boxes' stored sizes (default ``size``)."""
+    sa = size(a, normalized) if sa is None else sa
+    sb = size(b, normalized) if sb is None else sb
+    a, b = a[:, None, :], b[None, :, :]
+    apart = ((b[..., 0] > a[..., 2]) | (b[..., 2] < a[..., 0])
+             | (b[..., 1] > a[..., 3]) | (b[..., 3] < a[..., 1]))
+    one = 0 if normalized else 1
+    iw = torch.minimum(a[..., 2], b[..., 2]) - torch.maximum(a[..., 0], b[..., 0]) + one
+    ih = torch.minimum(a[..., 3], b[..., 3]) - torch.maximum(a[..., 1], b[..., 1]) + one
+    inter = iw * ih
+    iou = inter / (sa[:, None] + sb[None, :] - inter)
+    return torch.where(~apart & (iw > 0) & (ih > 0), iou, torch.zeros_like(iou))
+
+
+def _prior_wh(prior):
+    pw, ph = prior[..., 2] - prior[..., 0], prior[..., 3] - prior[..., 1]
+    if bool((pw <= 0).any() or (ph <= 0).any()):
+        raise BoxError("a prior box has no positive width/height (the fork's CHECK_GT)")
+    return pw, ph
+
+
+def decode(prior, var, loc, code_type: int, variance_in_target: bool) -> torch.Tensor:
+    """DecodeBBox: prior (P, 4), var (P, 4), loc (..., P, 4) offsets -> boxes (..., P, 4)."""
+    l0, l1, l2, l3 = loc.unbind(-1)
+    if not variance_in_target:
+        l0, l1, l2, l3 = var[:, 0] * l0, var[:, 1] * l1, var[:, 2] * l2, var[:, 3] * l3
+    if code_type == CORNER:
+        return torch.stack([prior[:, 0] + l0, prior[:, 1] + l1, prior[:, 2] + l2, prior[:, 3] + l3], -1)
+    pw, ph = _prior_wh(prior)
+    if code_type == CORNER_SIZE:
+        return torch.stack([prior[:, 0] + l0 * pw, prior[:, 1] + l1 * ph,
+                            prior[:, 2] + l2 * pw, prior[:, 3] + l3 * ph], -1)
+    if code_type != CENTER_SIZE:
+        raise ValueError(f"unknown code_type {code_type}")
+    pcx, pcy = (prior[:, 0] + prior[:, 2]) / 2, (prior[:, 1] + prior[:, 3]) / 2
+    cx, cy = l0 * pw + pcx, l1 * ph + pcy
+    w, h = torch.exp(l2) * pw, torch.exp(l3) * ph
+    return torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], -1)
+
+
+def encode(prior, var, gt, code_type: int, variance_in_target: bool) -> torch.Tensor:
+    """EncodeBBox: the offsets (M, 4) that decode ``prior`` (M, 4) into ``gt`` (M, 4)."""
+    if code_type == CORNER:
+        d = gt - prior
+        return d if variance_in_target else d / var
+    pw, ph = _prior_wh(prior)
+    if code_type == CORNER_SIZE:
+        d = (gt - prior) / torch.stack([pw, ph, pw, ph], -1)
+        return d if variance_in_target else d / var
+    if code_type != CENTER_SIZE:
+        raise ValueError(f"unknown code_type {code_type}")
+    gw, gh = gt[:, 2] - gt[:, 0], gt[:, 3] - gt[:, 1]
+    if bool((gw <= 0).any() or (gh <= 0).any()):
+        raise BoxError("a ground-truth box has no positive width/height (the fork's CHECK_GT)")
+    pcx, pcy = (prior[:, 0] + prior[:, 2]) / 2, (prior[:, 1] + prior[:, 3]) / 2
+    gcx, gcy = (gt[:, 0] + gt[:, 2]) / 2, (gt[:, 1] + gt[:, 3]) / 2
+    d = torch.stack([(gcx - pcx) / pw, (gcy - pcy) / ph, torch.log(gw / pw), torch.log(gh / ph)], -1)
+    return d if variance_in_target else d / var
+
+
+def sort_desc(scores: torch.Tensor) -> torch.Tensor:
+    """Indices by score, highest first, ties in index order (the fork's std::stable_sort)."""
+    return torch.sort(scores, descending=True, stable=True).indices
+
+
+def nms_fast(boxes, scores, score_threshold: float, nms_threshold: float, eta: float = 1.0,
+             top_k: int = -1) -> torch.Tensor:
+    """ApplyNMSFast: boxes (K, 4), scores (K,) -> kept indices, best first. Candidates score above
+    ``score_threshold``, at most ``top_k`` of them; a candidate survives if its overlap with every
+    kept box is <= the threshold, which shrinks by ``eta`` after each keep while above 0.5."""
+    idx = torch.nonzero(scores > score_threshold).flatten()
+    idx = idx[sort_desc(scores[idx])]
+    if top_k > -1:
+        idx = idx[:top_k]
+    if len(idx) == 0:
+        return idx
+    iou = jaccard(boxes[idx], boxes[idx]).numpy()
+    thr = np.float32(nms_threshold)
+    keep: list[int] = []
+    if eta >= 1:
+        gone = np.zeros(len(idx), dtype=bool)
+        for i in range(len(idx)):
+            if not gone[i]:
+                keep.append(i)
+                gone |= iou[i] > thr
+    else:
+        for i in range(len(idx)):
+            if not keep or bool((iou[i, keep] <= thr).all()):
+                keep.append(i)
+                if thr > 0.5:
+                    thr = np.float32(thr * np.float32(eta))
+    return idx[torch.tensor(keep, dtype=torch.long)]
+
+
+def match(gt, gt_ids, preds, match_type: int, overlap_threshold: float, ignore_cross_boundary: bool):
+    """MatchBBox: gt (G, 4) with their indices ``gt_ids`` (G,), preds (P, 4) ->
+    (match (P,) long: gt index, -1 unmatched, -2 ignored cross-boundary; overlap (P,) float).
+
+    Bipartite first: repeatedly the globally best (prediction, gt) pair among unmatched
+    predictions and unused gts, ties to the lowest prediction then gt index; then, for
+    PER_PREDICTION, each still unmatched prediction takes its best gt with overlap >= threshold.
+    Overlaps <= 1e-6 count as none."""
+    P = preds.shape[0]
+    matches = torch.full((P,), -1, dtype=torch.long)
+    best = torch.zeros(P, dtype=torch.float32)
+    if gt.shape[0] == 0:
+        return matches, best
+    ov = jaccard(preds, gt)
+    if ignore_cross_boundary:
+        cross = ((preds < 0) | (preds > 1)).any(1)
+        matches[cross] = -2
+        ov[cross] = 0
+    stored = ov > 1e-6
+    best = torch.where(stored, ov, torch.zeros_like(ov)).max(1).values
+    pool = torch.ones(gt.shape[0], dtype=torch.bool)
+    for _ in range(gt.shape[0]):
+        cand = stored & (matches == -1)[:, None] & pool[None, :]
+        if not bool(cand.any()):
+            break
+        flat = int(torch.argmax(torch.where(cand, ov, torch.full_like(ov, -1)).flatten()))
+        i, j = divmod(flat, gt.shape[0])
+        matches[i], best[i], pool[j] = gt_ids[j], ov[i, j], False
+    if match_type == PER_PREDICTION:
+        cand = stored & (ov >= overlap_threshold) & (matches == -1)[:, None]
+        has = cand.any(1)
+        vals = torch.where(cand, ov, torch.full_like(ov, -1))
+        j = vals.argmax(1)
+        matches = torch.where(has, gt_ids[j], matches)
+        best = torch.where(has, vals.max(1).values, best)
+    elif match_type != BIPARTITE:
+        raise ValueError(f"unknown match_type {match_type}")
+    return matches, best

@@ -1,0 +1,354 @@
+"""SSD training and evaluation layers from the weiliu89/caffe fork: MultiBoxLoss (prior matching,
+hard negative mining, SmoothL1 + softmax loss) and DetectionEvaluate (true/false positives for mAP).
+
+Matching and mining decisions use float32 boxes as the fork's NormalizedBBox; the loss terms that
+carry gradients are computed in the bottoms' dtype and autograd gives the fork's gradients (only
+matched and mined rows of loc/conf receive a diff).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from . import bbox as B
+from .base import Layer, count, register
+from .detection import legacy, priors_from_blob
+from .loss import NONE, VALID, normalization_mode, normalizer, softmax_loss
+
+
+def ground_truth(label: torch.Tensor, background: int, use_difficult: bool, stop_at_pad: bool, who):
+    """The fork's GetGroundTruth over rows [item_id, label, instance, xmin, ymin, xmax, ymax,
+    difficult]: {item_id: (labels (G,) long, boxes (G, 4) float32, difficult (G,) bool)}.
+    Rows with item_id -1 are padding: skipped, or the end of the list if ``stop_at_pad``."""
+    rows = label.detach().to("cpu", torch.float64).reshape(-1, 8)
+    items: dict[int, list] = {}
+    for r in rows.tolist():
+        item = int(r[0])
+        if item == -1:
+            if stop_at_pad:
+                break
+            continue
+        lab, difficult = int(r[1]), bool(r[7])
+        if lab == background:
+            raise who.fail(f"found the background label {lab} in the ground truth")
+        if difficult and not use_difficult:
+            continue
+        items.setdefault(item, []).append((lab, r[3:7], difficult))
+    return {i: (torch.tensor([g[0] for g in gs], dtype=torch.long),
+                torch.tensor([g[1] for g in gs], dtype=torch.float32),
+                torch.tensor([g[2] for g in gs], dtype=torch.bool)) for i, gs in items.items()}
+
+
+def smooth_l1(d):
+    """The fork's SmoothL1Loss elementwise: 0.5 d^2 if |d| < 1 else |d| - 0.5 (gradient sign(d)
+    at |d| = 1, as the fork)."""
+    a = d.abs()
+    return torch.where(a < 1, 0.5 * d * d, a - 0.5)
+
+
+@register("MultiBoxLoss")
+class MultiBoxLoss(Layer):
+    """SSD training loss: match priors to ground truth, mine hard negatives, SmoothL1 (or L2)
+    localisation loss plus softmax confidence loss.
+
+    Bottoms: loc (N, P*L*4), conf (N, P*num_classes) scores, priors (1, 2, P*4), labels
+    (1, 1, G, 8) rows [item_id, label, instance_id, xmin, ymin, xmax, ymax, difficult].
+    Top: the loss (0-D) = loc_weight * loc_loss / norm + conf_loss / norm, each term only if
+    propagate_down of its bottom is true (default true, true, false, false), norm from
+    loss_param (default VALID = number of matched priors).
+    Params: multibox_loss_param loc_loss_type (SMOOTH_L1, L2), conf_loss_type (SOFTMAX),
+    loc_weight, num_classes, share_location, match_type, overlap_threshold,
+    use_prior_for_matching, background_label_id, use_difficult_gt, neg_pos_ratio, neg_overlap,
+    code_type, encode_variance_in_target, map_object_to_agnostic, ignore_cross_boundary_bbox,
+    bp_inside, mining_type (NONE, MAX_NEGATIVE). Not implemented (rejected at setup):
+    LOGISTIC conf loss, HARD_EXAMPLE mining, NMS during mining.
+    """
+
+    exact_bottoms = 4
+    exact_tops = 1
+    is_loss = True
+
+    def allow_backward(self, i):
+        return i < 2
+
+    def setup(self, bottom_shapes):
+        p = self.param.multibox_loss_param
+        if not p.HasField("num_classes") or p.num_classes < 1:
+            raise self.fail("multibox_loss_param.num_classes (>= 1) is required")
+        self.p, self.num_classes = p, p.num_classes
+        self.loc_classes = 1 if p.share_location else p.num_classes
+        self.mining = p.mining_type
+        if p.HasField("do_neg_mining") and p.do_neg_mining != (self.mining != 0):
+            raise self.fail("do_neg_mining (deprecated) contradicts mining_type")
+        if self.mining == 2:
+            raise NotImplementedError(f"Layer '{self.name}': MultiBoxLoss mining_type HARD_EXAMPLE "
+                                      "is not implemented")
+        if p.HasField("nms_param") and p.nms_param.nms_threshold > 0 and self.mining:
+            raise NotImplementedError(f"Layer '{self.name}': MultiBoxLoss NMS during mining "
+                                      "(multibox_loss_param.nms_param) is not implemented")
+        if p.conf_loss_type != 0:
+            raise NotImplementedError(f"Layer '{self.name}': MultiBoxLoss conf_loss_type LOGISTIC "
+                                      "is not implemented")
+        if self.mining and not p.share_location:
+            raise self.fail("negative mining needs share_location: true (as in the fork)")
+        if not 0 <= p.background_label_id < p.num_classes:
+            raise self.fail("background_label_id must be in [0, num_classes) for the softmax loss")
+        if p.map_object_to_agnostic and p.num_classes != 2:
+            raise self.fail("map_object_to_agnostic needs num_classes 2")
+        self.normalization = normalization_mode(self.param.loss_param, VALID)
+        pd = list(self.param.propagate_down)
+        self.use_loc, self.use_conf = (pd[0], pd[1]) if pd else (True, True)
+
+    def reshape(self, bottom_shapes):
+        loc, conf, prior, label = (tuple(s) for s in bottom_shapes)
+        p = legacy(prior, 2) // 4
+        if (loc[0] != conf[0] or legacy(loc, 1) != p * self.loc_classes * 4
+                or legacy(conf, 1) != p * self.num_classes):
+            raise self.fail(f"loc {loc} and conf {conf} must be (N, {p}*{self.loc_classes}*4) and "
+                            f"(N, {p}*{self.num_classes}) for {p} priors {prior}")
+        if count(label) != legacy(label, 2) * 8:
+            raise self.fail(f"labels must be (1, 1, G, 8), got {label}")
+        return [()]
+
+    def _matches(self, gts, pbox, pvar, loc4):
+        """FindMatches: per image {label: (match (P,), overlap (P,))}; {} for an image without gt."""
+        p, out = self.p, []
+        locs = None if p.use_prior_for_matching else loc4.detach().to("cpu", torch.float32)
+        for i in range(loc4.shape[0]):
+            if i not in gts:
+                out.append({})
+                continue
+            glab, gbox, _ = gts[i]
+            ids = torch.arange(len(glab))
+            args = (p.match_type, p.overlap_threshold, p.ignore_cross_boundary_bbox)
+            if p.use_prior_for_matching:
+                m, o = B.match(gbox, ids, pbox, *args)
+                if p.share_location:
+                    out.append({-1: (m, o)})
+                else:   # distribute to the gt's own class; -2 (ignored) becomes -1 here
+                    lab_of = glab[m.clamp_min(0)]
+                    out.append({c: (torch.where((m > -1) & (lab_of == c), m, -1), o)
+                                for c in range(self.num_classes) if c != p.background_label_id})
+                continue
+            per = {}
+            for c in range(self.loc_classes):
+                label = -1 if p.share_location else c
+                if label == p.background_label_id:
+                    continue
+                boxes = B.decode(pbox, pvar, locs[i, :, c], p.code_type, p.encode_variance_in_target)
+                sel = ids if label == -1 else ids[glab == label]
+                per[label] = B.match(gbox[sel], sel, boxes, *args)
+            out.append(per)
+        return out
+
+    def _negatives(self, conf, matches, gts):
+        """MAX_NEGATIVE mining: per image the highest-loss unmatched priors (overlap below
+        neg_overlap), at most neg_pos_ratio * positives, in ascending prior order."""
+        p, n = self.p, conf.shape[0]
+        with torch.no_grad():
+            lab = torch.full(conf.shape[:2], p.background_label_id, dtype=torch.long)
+            for i, per in enumerate(matches):
+                if -1 in per:
+                    m = per[-1][0]
+                    lab[i] = torch.where(m > -1, gts[i][0][m.clamp_min(0)], lab[i])
+            x = conf.detach().cpu()
+            x = x - x.max(2, keepdim=True).values
+            prob = torch.exp(x.gather(2, lab[..., None])[..., 0]) / torch.exp(x).sum(2)
+            loss = (-torch.log(prob.clamp_min(np.finfo(np.float32).tiny))).float()
+        negs = []
+        for i in range(n):
+            sel = []
+            for _, (m, o) in sorted(matches[i].items()):
+                eligible = torch.nonzero((m == -1) & (o < p.neg_overlap)).flatten()
+                n_pos = int((m > -1).sum())
+                k = min(int(np.float32(n_pos) * np.float32(p.neg_pos_ratio)), len(eligible))
+                sel += eligible[B.sort_desc(loss[i, eligible])[:k]].tolist()
+            negs.append(sorted(sel))
+        return negs
+
+    def forward(self, bottoms):
+        try:
+            return self._forward(*bottoms)
+        except B.BoxError as e:
+            raise self.fail(str(e)) from None
+
+    def _forward(self, loc, conf, prior, label):
+        p, n, c = self.p, loc.shape[0], self.num_classes
+        P = legacy(prior.shape, 2) // 4
+        pbox, pvar = priors_from_blob(prior, P)
+        gts = ground_truth(label, p.background_label_id, p.use_difficult_gt, False, self)
+        loc4 = loc.reshape(n, P, self.loc_classes, 4)
+        matches = self._matches(gts, pbox, pvar, loc4)
+        num_matches = sum(int((m > -1).sum()) for per in matches for m, _ in per.values())
+        negs = self._negatives(conf.reshape(n, P, c), matches, gts) if self.mining else None
+        norm = float(normalizer(self.normalization, n, P, torch.tensor(float(num_matches))))
+        loss = loc.new_zeros(())
+        if self.use_loc and num_matches:
+            loss = loss + p.loc_weight * self._loc_loss(loc4, matches, gts, pbox, pvar) / norm
+        if self.use_conf:
+            rows, labels = self._conf_rows(conf.reshape(n, P, c), matches, gts, negs)
+            if len(labels):
+                loss = loss + softmax_loss(rows, labels.to(rows.dtype), 1, None, NONE) / norm
+        return [loss]
+
+    def _loc_loss(self, loc4, matches, gts, pbox, pvar):
+        p, preds, targets = self.p, [], []
+        for i, per in enumerate(matches):
+            for label, (m, _) in sorted(per.items()):
+                js = torch.nonzero(m > -1).flatten()
+                if not len(js):
+                    continue
+                tgt = B.encode(pbox[js], pvar[js], gts[i][1][m[js]], p.code_type,
+                               p.encode_variance_in_target).to(loc4)
+                pred = loc4[i, js.to(loc4.device), 0 if p.share_location else label]
+                if p.bp_inside:   # a coordinate outside the image gets its target: no gradient
+                    ref = pbox[js] if p.use_prior_for_matching else B.decode(
+                        pbox[js], pvar[js], pred.detach().cpu().float(), p.code_type,
+                        p.encode_variance_in_target)
+                    pred = torch.where(((ref < 0) | (ref > 1)).to(pred.device), tgt, pred)
+                if p.encode_variance_in_target:
+                    v = pvar[js].to(loc4)
+                    pred, tgt = pred / v, tgt / v
+                preds.append(pred)
+                targets.append(tgt)
+        d = torch.cat(preds) - torch.cat(targets)
+        return smooth_l1(d).sum() if p.loc_loss_type == 1 else (d * d).sum() / 2
+
+    def _conf_rows(self, conf, matches, gts, negs):
+        """EncodeConfPrediction: (rows (K, C) of conf, labels (K,)). With mining: matched priors
+        then mined negatives of each image that has ground truth; without: every prior."""
+        p = self.p
+        bg = p.background_label_id
+        agnostic = p.map_object_to_agnostic
+        if negs is None:
+            lab = torch.full(conf.shape[:2], bg, dtype=torch.long)
+            for i, per in enumerate(matches):
+                for _, (m, _) in sorted(per.items()):
+                    gl = torch.full_like(m, bg + 1) if agnostic else gts[i][0][m.clamp_min(0)]
+                    lab[i] = torch.where(m > -1, gl, lab[i])
+            return conf.reshape(-1, conf.shape[2]), lab.reshape(-1).to(conf.device)
+        idx, labs = [], []
+        P = conf.shape[1]
+        for i, per in enumerate(matches):
+            if i not in gts:
+                continue
+            for _, (m, _) in sorted(per.items()):
+                js = torch.nonzero(m > -1).flatten()
+                idx.append(js + i * P)
+                labs.append(torch.full_like(js, bg + 1) if agnostic else gts[i][0][m[js]])
+            idx.append(torch.tensor(negs[i], dtype=torch.long) + i * P)
+            labs.append(torch.full((len(negs[i]),), bg, dtype=torch.long))
+        idx = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
+        labs = torch.cat(labs) if labs else torch.zeros(0, dtype=torch.long)
+        rows = conf.reshape(-1, conf.shape[2])[idx.to(conf.device)]
+        return rows, labs.to(conf.device)
+
+
+@register("DetectionEvaluate")
+class DetectionEvaluate(Layer):
+    """Per-detection true/false positive flags for mAP (the fork's DetectionEvaluateLayer).
+
+    Bottoms: detections (1, 1, D, 7) from DetectionOutput, ground truth (1, 1, G, 8).
+    Top: (1, 1, num_pos_classes + D, 5): first one row [-1, label, num_gt, -1, -1] per
+    non-background class, then per image and label (ascending) and score (descending) a row
+    [image_id, label, score, tp, fp]; a match to a difficult gt when evaluate_difficult_gt is
+    false leaves tp = fp = 0; unused rows stay 0.
+    Params: detection_evaluate_param num_classes, background_label_id, overlap_threshold,
+    evaluate_difficult_gt, name_size_file (pixel-space evaluation; read at the first forward).
+    resize_param is not implemented.
+    """
+
+    exact_bottoms = 2
+    exact_tops = 1
+
+    def allow_backward(self, i):
+        return False
+
+    def setup(self, bottom_shapes):
+        p = self.param.detection_evaluate_param
+        if not p.HasField("num_classes"):
+            raise self.fail("detection_evaluate_param.num_classes is required")
+        if p.overlap_threshold <= 0:
+            raise self.fail("overlap_threshold must be positive")
+        self.p = p
+        self.sizes = None if p.name_size_file else []
+        self.count = 0
+
+    def reshape(self, bottom_shapes):
+        det, gt = (tuple(s) for s in bottom_shapes)
+        if (len(det), det[:2], det[-1], len(gt), gt[:2], gt[-1]) != (4, (1, 1), 7, 4, (1, 1), 8):
+            raise self.fail(f"detections must be (1, 1, D, 7) and ground truth (1, 1, G, 8); "
+                            f"got {det} and {gt}")
+        pos_classes = self.p.num_classes - (self.p.background_label_id != -1)
+        return [(1, 1, pos_classes + det[2], 5)]
+
+    def _image_sizes(self):
+        if self.sizes is None:
+            path = self.p.name_size_file
+            if not os.path.isfile(path):
+                raise self.fail(f"cannot open name_size_file '{path}'")
+            with open(path) as f:
+                words = f.read().split()
+            self.sizes = [(int(words[k + 1]), int(words[k + 2])) for k in range(0, len(words) - 2, 3)]
+            if self.sizes and self.p.HasField("resize_param"):
+                raise NotImplementedError(f"Layer '{self.name}': DetectionEvaluate with "
+                                          "resize_param is not implemented")
+        return self.sizes
+
+    def forward(self, bottoms):
+        det, gt = bottoms
+        p = self.p
+        sizes = self._image_sizes()
+        normalized = not sizes
+        dets: dict[int, dict[int, list]] = {}
+        for r in det.detach().to("cpu", torch.float64).reshape(-1, 7).tolist():
+            if int(r[0]) == -1:
+                continue
+            if int(r[1]) == p.background_label_id:
+                raise self.fail(f"found the background label {int(r[1])} in the detections")
+            dets.setdefault(int(r[0]), {}).setdefault(int(r[1]), []).append(r[2:7])
+        gts = ground_truth(gt, p.background_label_id, True, True, self)
+        out = torch.zeros(self.reshape([det.shape, gt.shape])[0][2], 5, dtype=torch.float64)
+        k = 0
+        for c in range(p.num_classes):
+            if c != p.background_label_id:
+                counted = [(g[0] == c) & (p.evaluate_difficult_gt | ~g[2]) for g in gts.values()]
+                n_pos = sum(int(m.sum()) for m in counted)
+                out[k] = torch.tensor([-1.0, c, n_pos, -1, -1])
+                k += 1
+        for image in sorted(dets):
+            for label, found in sorted(dets[image].items()):
+                found = torch.tensor(found, dtype=torch.float32)
+                found = found[B.sort_desc(found[:, 0])]
+                flags = torch.tensor([[0.0, 1.0]]).repeat(len(found), 1)   # false positive
+                g = gts.get(image)
+                if g is not None and bool((g[0] == label).any()):
+                    sel = g[0] == label
+                    flags = self._flags(found[:, 1:], g[1][sel], g[2][sel],
+                                        None if normalized else sizes[self.count])
+                head = torch.tensor([float(image), float(label)]).expand(len(found), 2)
+                out[k:k + len(found)] = torch.cat([head, found[:, :1], flags], 1).double()
+                k += len(found)
+            if sizes:
+                self.count = (self.count + 1) % len(sizes)
+        return [out.to(device=det.device, dtype=det.dtype)[None, None]]
+
+    def _flags(self, boxes, gboxes, difficult, hw):
+        """[tp, fp] per detection (best first): the best-overlapping gt counts once."""
+        if hw is not None:   # clip, then scale to pixels; sizes become (w + 1) * (h + 1)
+            scale = torch.tensor([hw[1], hw[0], hw[1], hw[0]], dtype=torch.float32)
+            boxes, gboxes = boxes.clamp(0, 1) * scale, gboxes.clamp(0, 1) * scale
+        iou = B.jaccard(boxes, gboxes, normalized=hw is None)
+        visited = torch.zeros(len(gboxes), dtype=torch.bool)
+        flags = torch.zeros(len(boxes), 2)
+        for i in range(len(boxes)):
+            j = int(iou[i].argmax())
+            if iou[i, j] >= self.p.overlap_threshold:
+                if self.p.evaluate_difficult_gt or not difficult[j]:
+                    flags[i] = torch.tensor([0.0, 1.0] if visited[j] else [1.0, 0.0])
+                    visited[j] = True
+            else:
+                flags[i] = torch.tensor([0.0, 1.0])
+        return flags
