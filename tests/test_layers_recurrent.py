@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from brewnet.layers.base import LayerError
+from brewnet.layers.recurrent import lstm_unit as LSTMUnitOp
 from helpers import gradcheck_layer, make_layer
 
 RNG = np.random.default_rng(7)
@@ -196,6 +197,24 @@ def test_lstm_unit_forward_and_gradient():
     np.testing.assert_allclose(h.numpy()[0], o * np.tanh(c_ref), rtol=1e-12)
     assert [layer.allow_backward(j) for j in range(3)] == [True, True, False]
     assert gradcheck_layer(layer, [c_prev, gates, cont])
+
+
+def test_lstm_unit_caffe_gradient_for_fractional_cont():
+    # Caffe takes f = cont * sigmoid(x_f) and differentiates it as f * (1 - f): for cont 0.5
+    # that is not the true derivative; brewnet reproduces Caffe's number.
+    H = 2
+    c_prev = torch.tensor(RNG.normal(size=(1, 1, H)))
+    gates = torch.tensor(RNG.normal(size=(1, 1, 4 * H)), requires_grad=True)
+    c, h = LSTMUnitOp(c_prev, gates, torch.tensor([[0.5]]))
+    dc, dh = torch.tensor(RNG.normal(size=(1, 1, H))), torch.tensor(RNG.normal(size=(1, 1, H)))
+    torch.autograd.backward([c, h], [dc, dh])
+    x = gates.detach().numpy()[0, 0]
+    f = 0.5 * sigmoid(x[H:2 * H])
+    tanh_c = np.tanh(c.detach().numpy()[0, 0])
+    o = sigmoid(x[2 * H:3 * H])
+    c_term = dc.numpy()[0, 0] + dh.numpy()[0, 0] * o * (1 - tanh_c ** 2)
+    want = c_term * c_prev.numpy()[0, 0] * f * (1 - f)
+    np.testing.assert_allclose(gates.grad.numpy()[0, 0, H:2 * H], want, rtol=1e-12)
 
 
 def test_shape_errors():

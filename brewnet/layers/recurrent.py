@@ -22,13 +22,35 @@ from .base import Layer, count, register
 
 
 # -- functional core --------------------------------------------------------------------------
+class _LSTMUnit(torch.autograd.Function):
+    """Caffe's LSTMUnit. The forget gate is f = cont * sigmoid(x_f) (exactly 0 where cont is 0)
+    and Caffe's backward uses f * (1 - f) as its derivative: the true one for binary cont, not
+    for other values, so the backward is written out."""
+
+    @staticmethod
+    def forward(ctx, c_prev, gates, cont):
+        i, f, o, g = gates.chunk(4, dim=-1)
+        i, o, g = torch.sigmoid(i), torch.sigmoid(o), torch.tanh(g)
+        cont = cont.unsqueeze(-1)
+        f = torch.where(cont == 0, torch.zeros_like(f), cont * torch.sigmoid(f))
+        c = f * c_prev + i * g
+        tanh_c = torch.tanh(c)
+        ctx.save_for_backward(c_prev, i, f, o, g, tanh_c)
+        return c, o * tanh_c
+
+    @staticmethod
+    def backward(ctx, dc, dh):
+        c_prev, i, f, o, g, tanh_c = ctx.saved_tensors
+        c_term = dc + dh * o * (1 - tanh_c * tanh_c)
+        dgates = torch.cat([c_term * g * i * (1 - i), c_term * c_prev * f * (1 - f),
+                            dh * tanh_c * o * (1 - o), c_term * i * (1 - g * g)], dim=-1)
+        return c_term * f, dgates, None
+
+
 def lstm_unit(c_prev, gates, cont):
     """One LSTM step: ``gates`` (..., 4H) in Caffe's order i, f, o, g; ``cont`` (...) scales the
-    forget path. Returns (c_t, h_t)."""
-    i, f, o, g = gates.chunk(4, dim=-1)
-    i, f, o, g = torch.sigmoid(i), torch.sigmoid(f), torch.sigmoid(o), torch.tanh(g)
-    c = cont.unsqueeze(-1) * f * c_prev + i * g
-    return c, o * torch.tanh(c)
+    forget gate. Returns (c_t, h_t) = (f * c_prev + i * g, o * tanh(c_t))."""
+    return _LSTMUnit.apply(c_prev, gates, cont.detach())
 
 
 def rnn_sequence(x, cont, h0, w_xh, b_h, w_hh, w_ho, b_o, static=None):
@@ -215,7 +237,7 @@ class LSTMUnit(Layer):
 
     Bottoms: c_prev (1, N, H), gates (1, N, 4H) pre-activations in order i, f, o, g, cont (1, N).
     Tops: c (1, N, H) = cont * f * c_prev + i * g, h (1, N, H) = o * tanh(c).
-    No params; cont gets no diff.
+    No params; cont gets no diff. Caffe's backward treats cont * f as the gate (see _LSTMUnit).
     """
 
     exact_bottoms = 3
