@@ -41,6 +41,9 @@ def gaussian(t, p):
         if t.dim() < 1:
             raise ValueError("gaussian filler with sparse needs a blob with at least 1 axis")
         keep = p.sparse / t.shape[0]
+        if keep > 1:
+            raise ValueError(f"gaussian filler: sparse {p.sparse} exceeds the number of outputs "
+                             f"(shape(0) = {t.shape[0]}) of a blob of shape {tuple(t.shape)}")
         t.mul_(torch.bernoulli(torch.full_like(t, keep)))
 
 
