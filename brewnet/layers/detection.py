@@ -203,7 +203,7 @@ class PriorBox(Layer):
         key = (legacy(fm.shape, 2), legacy(fm.shape, 3), legacy(img.shape, 2), legacy(img.shape, 3))
         if key not in self._cache:
             self._cache[key] = torch.from_numpy(self.priors(key[:2], key[2:]))
-        return [self._cache[key].to(device=fm.device, dtype=fm.dtype)[None]]
+        return [self._cache[key].to(device=fm.device, dtype=fm.dtype, copy=True)[None]]
 
 
 @register("DetectionOutput")
