@@ -94,12 +94,17 @@ def max_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints, ceil_mode
     in_hw = tuple(x.shape[-2:])
     out_hw = pool_out_shape(in_hw, kernel, stride, pad, ceil_mode)
     if _native_pool_ok(in_hw, out_hw, kernel, stride, pad, ceil_mode):
+        if not return_mask:  # indices cost ~5x the pooling itself; autograd keeps its own
+            return F.max_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode), None
         y, idx = F.max_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode,
                               return_indices=True)
     else:
         pads = _edge_pads(in_hw, out_hw, kernel, stride, pad)
         xp = F.pad(x, pads, value=float("-inf"))
-        y, idx = F.max_pool2d(xp, tuple(kernel), tuple(stride), return_indices=True)
+        if not return_mask:
+            y, idx = F.max_pool2d(xp, tuple(kernel), tuple(stride)), None
+        else:
+            y, idx = F.max_pool2d(xp, tuple(kernel), tuple(stride), return_indices=True)
         if return_mask:  # indices are into the padded plane: map back to the image's flat index
             wp = xp.shape[-1]
             idx = (idx // wp - pad[0]) * in_hw[1] + (idx % wp - pad[1])

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ..proto import caffe_pb2 as pb
 from .base import Layer, Shape, canonical_axis, count, register
@@ -35,6 +36,8 @@ def batch_norm(x: torch.Tensor, mean_blob: torch.Tensor, var_blob: torch.Tensor,
         s = torch.where(f == 0, torch.zeros_like(f), 1 / f)
         mean = (mean_blob.detach() * s).to(x.dtype)
         var = (var_blob.detach() * s).to(x.dtype)
+        if x.dim() >= 2:  # one fused kernel; (x - mean) * rsqrt(var + eps) is within an ulp
+            return F.batch_norm(x, mean, var, None, None, False, 0.0, eps)
     else:
         mean = x.mean(dims)
         var = (x - _channel_view(mean, x.dim())).square().mean(dims)
@@ -197,11 +200,12 @@ class Scale(Layer):
         x = bottoms[0]
         scale, bias = self._operands(bottoms)
         axis = _operand_axis(self, x.shape, scale.shape, self.param.scale_param.axis)
-        y = x * broadcast_param(scale, x.dim(), axis)
-        if bias is not None:
-            axis = _operand_axis(self, x.shape, bias.shape, self.param.scale_param.axis)
-            y = y + broadcast_param(bias, x.dim(), axis)
-        return [y]
+        scale = broadcast_param(scale, x.dim(), axis)
+        if bias is None:
+            return [x * scale]
+        axis = _operand_axis(self, x.shape, bias.shape, self.param.scale_param.axis)
+        # In place on the fresh product: mul saves its inputs, not its output, so autograd is fine.
+        return [(x * scale).add_(broadcast_param(bias, x.dim(), axis))]
 
 
 @register("Bias")
