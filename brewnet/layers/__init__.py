@@ -1,3 +1,4 @@
 """Layers, one module per family; importing this package fills the registry ``LAYERS``."""
 from .base import LAYERS, Layer, LayerError, layer_class, register  # noqa: F401
-from . import common, data, detection, loss, neuron, normalization, recurrent, vision  # noqa: F401
+from . import (common, data, detection, loss, multibox, neuron, normalization,  # noqa: F401
+               recurrent, vision)

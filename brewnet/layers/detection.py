@@ -302,5 +302,3 @@ class DetectionOutput(Layer):
             new.setdefault(label, []).append(j)
         return {label: torch.tensor(js, dtype=torch.long) for label, js in new.items()}
 
-
-from . import multibox  # noqa: E402,F401  (registers MultiBoxLoss and DetectionEvaluate)
