@@ -105,6 +105,10 @@ class Net:
         self._needs_backward = self.param.force_backward or any(w != 0 for w in self._loss_weights.values())
         self._input_shapes = self._current_input_shapes()
         self._reset_loss_diffs()
+        # oneDNN's CPU convolutions and pooling run much faster on NHWC activations
+        # (benchmarks/inference.py); CUDA keeps NCHW.
+        self._channels_last = any(l.type in ("Convolution", "Deconvolution", "Pooling")
+                                  for l in self.layer_list)
         if self.device.type != "cpu":
             self.to(self.device)
 
@@ -233,6 +237,7 @@ class Net:
         for b in self.blobs.values():
             b.tensor = b.tensor.detach().to(device=device, dtype=dtype or b.tensor.dtype)
             b.diff_tensor = b.diff_tensor.to(device=device, dtype=dtype or b.diff_tensor.dtype)
+        self._channels_last = self._channels_last and device.type == "cpu"
         if device.type == "cuda":
             # cuDNN's default TF32 convolutions are ~1e-3 off; Caffe's numbers need true float32.
             torch.backends.cudnn.allow_tf32 = False
@@ -256,6 +261,7 @@ class Net:
         if self._current_input_shapes() != self._input_shapes:
             self.reshape()
         self._first: dict[str, torch.Tensor] = getattr(self, "_first", {}) if i0 > 0 else {}
+        fed: dict[str, torch.Tensor] = {}
         if i0 == 0:
             for n in self.inputs:
                 t = self.blobs[n].tensor
@@ -263,14 +269,18 @@ class Net:
                     t = t.detach().requires_grad_(True)
                     self.blobs[n].tensor = t
                 self._first[n] = t
+                if self._channels_last and t.dim() == 4:
+                    # The blob stays NCHW for numpy users; the layers compute in NHWC.
+                    fed[n] = t.contiguous(memory_format=torch.channels_last)
         loss = torch.zeros((), device=self.device)
         with torch.set_grad_enabled(self._needs_backward and torch.is_grad_enabled()):
             for i in range(i0, i1 + 1):
                 layer = self.layer_list[i]
                 if layer.type == "Input":
                     continue
-                bottoms = [self.blobs[b].tensor if p else self.blobs[b].tensor.detach()
-                           for b, p in zip(self.bottom_lists[i], self._propagate[i])]
+                bottoms = [fed[b] if b in fed else self.blobs[b].tensor for b in self.bottom_lists[i]]
+                if not all(self._propagate[i]):
+                    bottoms = [b if p else b.detach() for b, p in zip(bottoms, self._propagate[i])]
                 tops = layer.forward(bottoms)
                 for name, t in zip(self.top_lists[i], tops):
                     if name not in self.bottom_lists[i]:
