@@ -104,6 +104,7 @@ class Net:
                                   for l in self.layer_list if l.blobs)
         self._needs_backward = self.param.force_backward or any(w != 0 for w in self._loss_weights.values())
         self._input_shapes = self._current_input_shapes()
+        self._frontiers: dict[tuple[int, int], list] = {}
         self._reset_loss_diffs()
         # oneDNN's CPU convolutions and pooling run much faster on NHWC activations
         # (benchmarks/inference.py); CUDA keeps NCHW.
@@ -260,20 +261,30 @@ class Net:
         i0, i1 = self._index(start, 0), self._index(end, len(self.layer_list) - 1)
         if self._current_input_shapes() != self._input_shapes:
             self.reshape()
-        self._first: dict[str, torch.Tensor] = getattr(self, "_first", {}) if i0 > 0 else {}
+        grad = self._needs_backward and torch.is_grad_enabled()
+        if i0 == 0 or not hasattr(self, "_ran"):
+            # Per-layer bottoms/tops as computed, for backward over any range (grad mode only:
+            # in inference they would keep every in-place intermediate alive).
+            self._ran: dict[int, tuple[list, list]] = {}
         fed: dict[str, torch.Tensor] = {}
         if i0 == 0:
-            for n in self.inputs:
-                t = self.blobs[n].tensor
-                if self.param.force_backward and t.is_floating_point() and not t.requires_grad:
-                    t = t.detach().requires_grad_(True)
-                    self.blobs[n].tensor = t
-                self._first[n] = t
-                if self._channels_last and t.dim() == 4:
-                    # The blob stays NCHW for numpy users; the layers compute in NHWC.
-                    fed[n] = t.contiguous(memory_format=torch.channels_last)
+            for j, layer in enumerate(self.layer_list):
+                if layer.type != "Input":
+                    continue
+                ts = []
+                for n in self.top_lists[j]:
+                    t = self.blobs[n].tensor
+                    if self.param.force_backward and t.is_floating_point() and not t.requires_grad:
+                        t = t.detach().requires_grad_(True)
+                        self.blobs[n].tensor = t
+                    ts.append(t)
+                    if self._channels_last and t.dim() == 4:
+                        # The blob stays NCHW for numpy users; the layers compute in NHWC.
+                        fed[n] = t.contiguous(memory_format=torch.channels_last)
+                if grad:
+                    self._ran[j] = ([], ts)
         loss = torch.zeros((), device=self.device)
-        with torch.set_grad_enabled(self._needs_backward and torch.is_grad_enabled()):
+        with torch.set_grad_enabled(grad):
             for i in range(i0, i1 + 1):
                 layer = self.layer_list[i]
                 if layer.type == "Input":
@@ -282,39 +293,67 @@ class Net:
                 if not all(self._propagate[i]):
                     bottoms = [b if p else b.detach() for b, p in zip(bottoms, self._propagate[i])]
                 tops = layer.forward(bottoms)
+                if grad:
+                    self._ran[i] = (bottoms, tops)
                 for name, t in zip(self.top_lists[i], tops):
-                    if name not in self.bottom_lists[i]:
-                        self._first[name] = t
                     self.blobs[name].tensor = t
                     w = self._loss_weights.get(name)
                     if w:
                         loss = loss + w * t.detach().sum()
-        self._last_range = (i0, i1)
         return loss
 
-    def backward_tensors(self, blob_diffs: bool = True) -> None:
-        """Backpropagate from the loss tops and output diffs; accumulates parameter ``.grad``
-        (Caffe's param diffs) and, if ``blob_diffs``, writes every blob's diff."""
-        if not self._needs_backward:
+    def _frontier(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """(layer, top index) pairs that seed a backward over layers lo..hi: tops with a loss
+        weight, and tops no later layer in the range consumes (the range's outputs)."""
+        key = (lo, hi)
+        if key not in self._frontiers:
+            out = []
+            for j in range(lo, hi + 1):
+                for k, name in enumerate(self.top_lists[j]):
+                    later = any(name in self.bottom_lists[i] for i in range(j + 1, hi + 1))
+                    if name in self._loss_weights or not later:
+                        out.append((j, k))
+            self._frontiers[key] = out
+        return self._frontiers[key]
+
+    def backward_tensors(self, start=None, end=None, blob_diffs: bool = True) -> None:
+        """Backpropagate over layers ``start`` down to ``end`` (default: all), seeded as Caffe:
+        loss tops by their loss weight, the range's other outputs by their diffs. Accumulates
+        parameter ``.grad`` (Caffe's param diffs); with ``blob_diffs`` also writes blob diffs
+        (an in-place blob's diff is the gradient of the value its first producer wrote)."""
+        if not self._needs_backward or not getattr(self, "_ran", None):
             return
+        hi = self._index(start, len(self.layer_list) - 1)
+        lo = self._index(end, 0)
+        if any(j not in self._ran for j in range(lo, hi + 1)):
+            raise NetError(f"backward over layers {lo}..{hi} needs a forward over them first")
         seeds, grads = [], []
-        for name in set(self.outputs) | set(self._loss_weights):
-            t = self._first.get(name) if name in self._loss_weights else self.blobs[name].tensor
-            if t is not None and t.requires_grad:
+        for j, k in self._frontier(lo, hi):
+            t = self._ran[j][1][k]
+            if t.requires_grad:
                 seeds.append(t)
-                grads.append(self.blobs[name].diff_tensor.to(t.dtype))
+                grads.append(self.blobs[self.top_lists[j][k]].diff_tensor.to(t.dtype))
         if not seeds:
             return
-        params = [p for p in self._all_params() if p.requires_grad]
+        params = [p for p in self._range_params(lo, hi) if p.requires_grad]
         if not blob_diffs:
             torch.autograd.backward(seeds, grads, inputs=params)
             return
-        names = [n for n, t in self._first.items() if t.requires_grad and n not in self._loss_weights]
-        targets = [self._first[n] for n in names] + params
-        got = torch.autograd.grad(seeds, targets, grads, allow_unused=True, retain_graph=True)
+        targets: dict[str, torch.Tensor] = {}
+        for j in range(lo, hi + 1):
+            bottoms, tops = self._ran[j]
+            for name, t in zip(self.bottom_lists[j], bottoms):
+                targets.setdefault(name, t)
+            for name, t in zip(self.top_lists[j], tops):
+                if name not in self.bottom_lists[j] and name not in self._loss_weights:
+                    targets.setdefault(name, t)
+        names = [n for n, t in targets.items() if t.requires_grad]
+        got = torch.autograd.grad(seeds, [targets[n] for n in names] + params, grads,
+                                  allow_unused=True, retain_graph=True)
         for n, g in zip(names, got[:len(names)]):
             b = self.blobs[n]
-            b.diff_tensor = torch.zeros_like(b.tensor.detach()) if g is None else g.detach()
+            b.diff_tensor = torch.zeros(b.shape, dtype=b.tensor.dtype, device=b.tensor.device) \
+                if g is None else g.detach()
         for p, g in zip(params, got[len(names):]):
             if g is not None:
                 if p.grad is None:
@@ -322,9 +361,12 @@ class Net:
                 else:
                     p.grad += g
 
-    def _all_params(self) -> list[torch.Tensor]:
+    def _range_params(self, lo: int, hi: int) -> list[torch.Tensor]:
+        return self._all_params(self.layer_list[lo:hi + 1])
+
+    def _all_params(self, layers=None) -> list[torch.Tensor]:
         seen, out = set(), []
-        for layer in self.layer_list:
+        for layer in self.layer_list if layers is None else layers:
             for b in layer.blobs:
                 leaf = b if b._base is None else b._base
                 if id(leaf) not in seen:
@@ -358,12 +400,14 @@ class Net:
 
     def backward(self, diffs=None, start=None, end=None, **top_diffs):
         """pycaffe's ``Net.backward``: optional output diffs by name; returns input diffs."""
+        allowed = self.outputs if start is None else self.top_lists[self._index(start, 0)]
         for name, value in top_diffs.items():
-            if name not in self.outputs:
-                raise NetError(f"backward: '{name}' is not a net output; outputs are {self.outputs}")
+            if name not in allowed:
+                raise NetError(f"backward: '{name}' is not among {allowed}")
             self.blobs[name].diff[...] = value
-        self.backward_tensors(blob_diffs=True)
-        return {n: self.blobs[n].diff for n in list(self.inputs) + list(diffs or [])}
+        self.backward_tensors(start, end, blob_diffs=True)
+        outs = self.inputs if end is None else self.bottom_lists[self._index(end, 0)]
+        return {n: self.blobs[n].diff for n in list(outs) + list(diffs or [])}
 
     @property
     def layers(self) -> list["LayerView"]:

@@ -192,3 +192,24 @@ def test_deploy_net_runs_without_autograd():
     net = Net(text, caffe.TEST)
     net.forward()
     assert not net.blobs["ip"].tensor.requires_grad
+
+
+def test_backward_from_a_middle_layer_like_deepdream():
+    net = tiny()
+    feed(net)
+    net.forward(end="ip")
+    net.blobs["ip"].diff[...] = net.blobs["ip"].data       # gradient of 0.5 * ||ip||^2
+    diffs = net.backward(start="ip")
+    x = torch.tensor(net.blobs["data"].data, dtype=torch.float64, requires_grad=True)
+    w, b = (torch.tensor(p.data, dtype=torch.float64) for p in net.params["conv"])
+    w2, b2 = (torch.tensor(p.data, dtype=torch.float64) for p in net.params["ip"])
+    ip = torch.relu(torch.nn.functional.conv2d(x, w, b)).flatten(1) @ w2.T + b2
+    (0.5 * (ip ** 2).sum()).backward()
+    np.testing.assert_allclose(diffs["data"], x.grad.numpy(), rtol=1e-4, atol=1e-6)
+    # only the range's layers get parameter diffs; the loss layer did not run backward
+    net2 = tiny()
+    feed(net2)
+    net2.forward()
+    net2.blobs["conv"].diff[...] = 1
+    net2.backward(start="relu", end="conv")
+    assert net2.params["conv"][0].diff.any() and not net2.params["ip"][0].diff.any()
