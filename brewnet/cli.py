@@ -6,8 +6,10 @@ and ``run(args) -> int``. Flags may be spelled Caffe's way (``-solver``) or GNU'
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import pkgutil
+import re
 import sys
 
 from . import __version__, tools
@@ -31,14 +33,50 @@ def _gnu_flags(argv: list[str]) -> list[str]:
             else a for a in argv]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with "did you mean" for a mistyped command or choice."""
+
+    def error(self, message):
+        m = re.search(r"invalid choice: '?([^' ]*)'? \(choose from (.*)\)", message)
+        if m:
+            choices = [c.strip(" '") for c in m.group(2).split(",")]
+            close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.5)
+            if close:
+                message += f"; did you mean '{close[0]}'?"
+        super().error(message)
+
+
+def _unknown_flags(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Flags in ``argv`` that ``parser`` does not know (exact or an abbreviation), each with
+    the close one when there is one. Checked before parsing, so a typo in a required flag is
+    reported as the typo, not as the flag missing."""
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    out = []
+    for x in argv:
+        if x == "--":
+            break
+        name = x.split("=")[0]
+        if not x.startswith("--") or any(k.startswith(name) for k in known):
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        out.append(f"{x} (did you mean {close[0]}?)" if close else x)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="brewnet", description="Caffe on PyTorch.")
+    parser = _Parser(prog="brewnet", description="Caffe on PyTorch.")
     parser.add_argument("--version", action="version", version=f"brewnet {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, mod in sorted(COMMANDS.items()):
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)
-    args = parser.parse_args(_gnu_flags(list(sys.argv[1:] if argv is None else argv)))
+    argv = _gnu_flags(list(sys.argv[1:] if argv is None else argv))
+    k = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if k is not None and argv[k] in sub.choices:
+        unknown = _unknown_flags(argv[k + 1:], sub.choices[argv[k]])
+        if unknown:
+            sub.choices[argv[k]].error("unrecognized arguments: " + " ".join(unknown))
+    args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 1

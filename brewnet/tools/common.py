@@ -1,0 +1,96 @@
+"""Helpers shared by the Caffe-style commands (train, test, time, device-query): Caffe's
+``-gpu``/``-stage``/``-level`` flags, user-facing errors and the terminal progress bar."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+
+log = logging.getLogger("brewnet")
+
+# What a bad file, flag or definition raises (NetError, SolverError, LayerError and ProtoError
+# are ValueErrors; a missing file is an OSError; a diverging run a FloatingPointError).
+USER_ERRORS = (ValueError, OSError, FloatingPointError)
+
+
+class CLIError(ValueError):
+    """A flag that cannot be honoured here; the message says why and what to do instead."""
+
+
+def report(command: str, err: BaseException) -> int:
+    """Print a one-line error for the user and return the exit status."""
+    print(f"brewnet {command}: {err}", file=sys.stderr)
+    return 1
+
+
+def add_gpu_flag(p) -> None:
+    p.add_argument("--gpu", "-gpu", default="", metavar="IDS",
+                   help="run on CUDA devices: ids separated by ',' or 'all' (default: the CPU)")
+
+
+def add_net_state_flags(p) -> None:
+    p.add_argument("--level", "-level", type=int, default=0, help="network level (default 0)")
+    p.add_argument("--stage", "-stage", default="", metavar="A,B",
+                   help="network stages, separated by ','")
+
+
+def stages(spec: str) -> list[str]:
+    return [s for s in spec.split(",") if s]
+
+
+def parse_gpus(spec: str) -> list[int]:
+    """Caffe's ``-gpu``: "" -> [], "all" -> every device, "0,2" -> [0, 2]; a clear error when
+    CUDA is missing or an id does not exist."""
+    import torch
+
+    spec = spec.strip()
+    if not spec:
+        return []
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available == 0:
+        why = ("this torch is built without CUDA" if torch.version.cuda is None
+               else "no CUDA device is visible")
+        raise CLIError(f"--gpu {spec}: CUDA is not available ({why}, torch {torch.__version__}); "
+                       "run without --gpu to use the CPU")
+    if spec == "all":
+        return list(range(available))
+    try:
+        ids = [int(s) for s in spec.split(",")]
+    except ValueError:
+        raise CLIError(f"--gpu '{spec}': expected device ids separated by ',' or 'all'") from None
+    bad = [i for i in ids if not 0 <= i < available]
+    if bad:
+        raise CLIError(f"--gpu {spec}: no CUDA device {bad[0]}; this machine has {available} "
+                       f"(ids 0..{available - 1})")
+    return ids
+
+
+def single_device(spec: str, command: str):
+    """The torch device for a single-device command; extra ids are dropped with a note, as
+    Caffe does for test and time."""
+    import torch
+
+    gpus = parse_gpus(spec)
+    for g in reversed(gpus[1:]):
+        log.info("Not using GPU #%d for single-GPU function", g)
+    if not gpus:
+        log.info("Use CPU.")
+        return torch.device("cpu")
+    log.info("Use GPU with device ID %d", gpus[0])
+    log.info("GPU device name: %s", torch.cuda.get_device_name(gpus[0]))
+    return torch.device("cuda", gpus[0])
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, initial: int = 0, desc: str = ""):
+    """A tqdm bar on stderr when stderr is a terminal (log lines are routed around it), else
+    None: logs redirected to a file stay free of bar frames."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(loggers=[log]), tqdm(total=total, initial=initial, desc=desc,
+                                                    unit="it", dynamic_ncols=True) as bar:
+        yield bar

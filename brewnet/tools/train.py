@@ -1,0 +1,107 @@
+"""``brewnet train --solver S [--weights W | --snapshot S]``: Caffe's ``caffe train``.
+
+Caffe's rules: ``--snapshot`` (resume) and ``--weights`` (finetune) exclude each other;
+``--weights`` replaces the solver's own ``weights`` and ``--snapshot`` clears them; ``--level`` and
+``--stage`` go into the solver's ``train_state``. Without ``--gpu`` the solver's ``solver_mode``
+decides (Caffe's default is GPU: ``device_id`` when CUDA is here, else the CPU with a warning).
+``--sigint_effect`` (default stop) and ``--sighup_effect`` (default snapshot) act at the next
+iteration. Logs go to stderr in glog's format; on a terminal a progress bar runs below them.
+"""
+from __future__ import annotations
+
+import logging
+
+from .common import (USER_ERRORS, CLIError, add_gpu_flag, add_net_state_flags, parse_gpus,
+                     progress_bar, report, stages)
+
+COMMAND = "train"
+HELP = "train or finetune a model from a solver prototxt (Caffe's 'caffe train')"
+EFFECTS = ("stop", "snapshot", "none")
+log = logging.getLogger("brewnet")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--solver", "-solver", required=True, metavar="S",
+                   help="the solver definition (.prototxt)")
+    p.add_argument("--weights", "-weights", default="", metavar="W1,W2",
+                   help="pretrained .caffemodel(s) to finetune from, separated by ','")
+    p.add_argument("--snapshot", "-snapshot", default="", metavar="S",
+                   help="a .solverstate[.h5] to resume training from")
+    add_gpu_flag(p)
+    add_net_state_flags(p)
+    p.add_argument("--sigint_effect", "-sigint_effect", default="stop", choices=EFFECTS,
+                   help="on SIGINT (Ctrl-C): stop, snapshot or none (default stop)")
+    p.add_argument("--sighup_effect", "-sighup_effect", default="snapshot", choices=EFFECTS,
+                   help="on SIGHUP: stop, snapshot or none (default snapshot)")
+
+
+def _solver_param(args):
+    """The solver file with the command line's overrides, its net paths made absolute so the
+    message can be built from anywhere (the Solver resolves them as it does for files)."""
+    from ..solvers.base import _resolve, load_solver_param
+
+    param, path = load_solver_param(args.solver)
+    param.train_state.level = args.level
+    param.train_state.stage.extend(stages(args.stage))
+    if args.snapshot or args.weights:
+        del param.weights[:]
+    if args.weights:
+        param.weights.append(args.weights)
+    for f in ("net", "train_net"):
+        if param.HasField(f):
+            setattr(param, f, str(_resolve(getattr(param, f), path, "net").resolve()))
+    for k, name in enumerate(param.test_net):
+        param.test_net[k] = str(_resolve(name, path, "test net").resolve())
+    return param
+
+
+def _device(args, param):
+    import torch
+    from ..proto import caffe_pb2 as pb
+
+    gpus = parse_gpus(args.gpu)
+    if not gpus and param.solver_mode == pb.SolverParameter.GPU:   # GPU is Caffe's default mode
+        if torch.cuda.is_available():
+            gpus = [param.device_id]
+        else:
+            log.warning("solver_mode is GPU but CUDA is not available here; training on the CPU")
+    if len(gpus) > 1:
+        raise CLIError(f"--gpu {args.gpu}: training on {len(gpus)} GPUs is not supported yet; "
+                       "pick one device id")
+    if not gpus:
+        log.info("Use CPU.")
+        return torch.device("cpu")
+    log.info("Using GPUs %d", gpus[0])
+    log.info("GPU %d: %s", gpus[0], torch.cuda.get_device_name(gpus[0]))
+    return torch.device("cuda", gpus[0])
+
+
+def run(args) -> int:
+    from ..logging import setup_logging
+
+    setup_logging()
+    if args.snapshot and args.weights:
+        return report(COMMAND, "Give a snapshot to resume training or weights to finetune but not both.")
+    try:
+        from ..solvers import get_solver
+
+        param = _solver_param(args)
+        device = _device(args, param)
+        for w in param.weights:
+            log.info("Finetuning from %s", w)
+        solver = get_solver(param, device=device)
+        if args.snapshot:
+            log.info("Resuming from %s", args.snapshot)
+        log.info("Starting Optimization")
+        with progress_bar(param.max_iter, desc="train") as bar:
+            if bar is not None:
+                def advance(s=solver):
+                    bar.update(s.iter + 1 - bar.n)
+                    bar.set_postfix(loss=f"{float(s.loss):.4g}", refresh=False)
+                solver.add_callback(on_gradients=advance)
+            solver.solve(resume_file=args.snapshot or None, sigint_effect=args.sigint_effect,
+                         sighup_effect=args.sighup_effect)
+    except USER_ERRORS as e:
+        return report(COMMAND, e)
+    log.info("Optimization Done.")
+    return 0
