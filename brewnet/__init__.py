@@ -19,3 +19,9 @@ def layer_type_list() -> list[str]:
 
 __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "set_mode_cpu", "set_mode_gpu",
            "set_device", "set_random_seed", "layer_type_list", "__version__"]
+
+from .solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,  # noqa: E402
+                      RMSPropSolver, SGDSolver, get_solver)
+
+__all__ += ["SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver",
+            "AdamSolver", "get_solver"]

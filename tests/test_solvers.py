@@ -335,6 +335,29 @@ def test_sigint_handler_effects(tmp_path):
         s2.solve(sigint_effect="pause")
 
 
+def test_pycaffe_test_solver_py(tmp_path, monkeypatch):
+    # pycaffe's test_solver.py: a relative snapshot_prefix "model"; snapshot() at iter 0 writes
+    # model_iter_0.caffemodel and model_iter_0.solverstate; solve() runs to max_iter; the nets
+    # outlive the solver.
+    import brewnet as caffe
+    z = np.load(SOLVER_DIR / "type_sgd.npz")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.prototxt").write_text(str(z["net_prototxt"]))
+    (tmp_path / "solver.prototxt").write_text(
+        'net: "net.prototxt" base_lr: 0.01 lr_policy: "inv" gamma: 0.0001 power: 0.75 momentum: 0.9 '
+        'max_iter: 20 snapshot_after_train: false snapshot_prefix: "model" solver_mode: CPU')
+    s = caffe.SGDSolver("solver.prototxt")
+    s.snapshot()
+    assert sorted(p.name for p in tmp_path.glob("model_*")) == ["model_iter_0.caffemodel",
+                                                                "model_iter_0.solverstate"]
+    s.net.blobs["data"].data[...] = np.load(SOLVER_DIR / "batches.npz")["data"][0]
+    s.solve()
+    assert s.iter == 20
+    net = s.net
+    del s
+    assert np.isfinite(net.forward()["loss"])
+
+
 def test_pycaffe_surface(tmp_path):
     z = np.load(SOLVER_DIR / "type_adam.npz")
     (tmp_path / "net.prototxt").write_text(str(z["net_prototxt"]))

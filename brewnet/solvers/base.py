@@ -258,7 +258,10 @@ class Solver:
         self._losses, self.smoothed_loss = [], f32(0)
         tic, last = time.perf_counter(), self.iter
         while self.iter < stop_iter:
-            self.net.clear_param_diffs()
+            # Caffe's ClearParamDiffs. Dropping the grads (rather than zeroing them) lets
+            # autograd store the fresh gradients without a zero pass and an add pass.
+            for t in self.net.learnable:
+                t.grad = None
             if p.test_interval and self.iter % p.test_interval == 0 and (self.iter > 0 or p.test_initialization):
                 self.test_all()
                 if self._early_exit:
@@ -306,6 +309,7 @@ class Solver:
                 return
             if p.display and self.iter % p.display == 0:
                 self._feed(self.net, self.train_feed, self._train_count)
+                self._train_count += 1
                 with torch.no_grad():
                     loss = f32(self.net.forward_tensors().item())
                 self._update_smoothed_loss(loss, start_iter)
