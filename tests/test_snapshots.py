@@ -130,6 +130,8 @@ def _solver_with_inputs(solver_file, shapes, **kw):
     param.net_param.CopyFrom(swap_data_layers(read_net(net_path), shapes))
     param.solver_mode = pb.SolverParameter.CPU
     param.snapshot = 0
+    del param.test_iter[:]      # no test nets: a restored iter 5000 would test 100 batches first
+    param.test_interval = 0
     return SGDSolver(param, **kw)
 
 
