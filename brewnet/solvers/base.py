@@ -8,29 +8,27 @@ snapshots, signals - lives here. Numbers follow Caffe's float32 arithmetic.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import signal
-import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..net import Net
 from ..proto import caffe_pb2 as pb
-from ..proto.io import parse_text, read_net, read_solver
-from ..proto.upgrade import upgrade_net, upgrade_solver
 from . import snapshot as ss
+from .guards import LossNotFiniteError, nonfinite_origin, signal_effects
 from .lr_policy import policy
+from .nets import (SolverError, load_solver_param, make_test_nets, make_train_net, pick_device,
+                   resolve as _resolve, share_weights)
 
 log = logging.getLogger("brewnet")
 f32 = np.float32
 SOLVERS: dict[str, type["Solver"]] = {}
-EFFECTS = ("stop", "snapshot", "none")
+__all__ = ["SOLVERS", "Solver", "SolverError", "LossNotFiniteError", "register",
+           "load_solver_param", "_resolve"]
 
 
 def register(type_name: str):
@@ -40,47 +38,6 @@ def register(type_name: str):
         SOLVERS[type_name] = cls
         return cls
     return wrap
-
-
-class SolverError(ValueError):
-    """A solver definition or state that cannot be used; the message names the file or field."""
-
-
-class LossNotFiniteError(FloatingPointError):
-    """Training produced a NaN or infinite loss; names the iteration and the first bad layer."""
-
-
-def load_solver_param(source) -> tuple["pb.SolverParameter", Path | None]:
-    """A SolverParameter from a path, prototxt text or a message; and the file it came from."""
-    if isinstance(source, pb.SolverParameter):
-        return upgrade_solver(source), None
-    if isinstance(source, str) and ("{" in source or "\n" in source) and not os.path.exists(source):
-        return upgrade_solver(parse_text(source, pb.SolverParameter())), None
-    path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"solver file not found: {path}")
-    param = read_solver(path)
-    # Caffe's UpgradeSnapshotPrefixProperty: default to the solver file's name, and a
-    # directory prefix gets the solver file's stem appended.
-    if not param.HasField("snapshot_prefix"):
-        param.snapshot_prefix = str(path.with_suffix(""))
-    elif os.path.isdir(param.snapshot_prefix):
-        param.snapshot_prefix = os.path.join(param.snapshot_prefix, path.stem)
-    return param, path
-
-
-def _resolve(name: str, solver_path: Path | None, what: str) -> Path:
-    """Caffe opens paths relative to the working directory; failing that, look beside the
-    solver file and in its parent folders (Caffe's examples name paths from the repo root)."""
-    tried = [Path(name)]
-    if solver_path is not None and not Path(name).is_absolute():
-        tried += [d / name for d in [solver_path.parent, *solver_path.parent.parents]]
-    for p in tried:
-        if p.exists():
-            return p
-    where = f" (solver {solver_path})" if solver_path else ""
-    raise FileNotFoundError(f"{what} file not found: '{name}'{where}; looked at "
-                            f"{', '.join(str(p) for p in tried[:4])}{' ...' if len(tried) > 4 else ''}")
 
 
 class Solver:
@@ -109,14 +66,15 @@ class Solver:
         if p.regularization_type not in ("L1", "L2"):
             raise SolverError(f"Unknown regularization type '{p.regularization_type}'. Known: L1, L2")
         self.check_param(p)
-        self._check_snapshot_prefix()
+        if p.snapshot > 0:
+            self._check_snapshot_prefix()
         if p.random_seed >= 0:
             from ..mode import set_random_seed
             set_random_seed(p.random_seed)
-        self.device = self._pick_device(device)
+        self.device = pick_device(p, device)
         self.train_feed, self.test_feeds = train_feed, list(test_feeds or [])
-        self.net = self._make_train_net()
-        self.test_nets = self._make_test_nets()
+        self.net = make_train_net(p, self._path, self.device)
+        self.test_nets = make_test_nets(p, self._path, self.device)
         for w in p.weights:
             for path in w.split(","):
                 for n in [self.net, *self.test_nets]:
@@ -144,91 +102,19 @@ class Solver:
         raise NotImplementedError
 
     # -- construction -----------------------------------------------------------------------
-    def _pick_device(self, device) -> torch.device:
-        if device is not None:
-            return torch.device(device)
-        p = self.param
-        if p.HasField("solver_mode"):
-            if p.solver_mode == pb.SolverParameter.CPU:
-                return torch.device("cpu")
-            if torch.cuda.is_available():
-                return torch.device("cuda", p.device_id)
-            log.warning("solver_mode GPU: CUDA is not available here; training on the CPU")
-            return torch.device("cpu")
-        from ..mode import default_device
-        return default_device()
-
     def _check_snapshot_prefix(self) -> None:
-        p = self.param
-        if p.snapshot > 0:
-            if not p.HasField("snapshot_prefix"):
-                raise SolverError("In solver params, snapshot is specified but snapshot_prefix is not")
-            folder = os.path.dirname(p.snapshot_prefix) or "."
-            if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-                raise SolverError(f"Cannot write to snapshot prefix '{p.snapshot_prefix}'. Make sure "
-                                  "that the directory exists and is writeable.")
-
-    def _read_net(self, name: str) -> "pb.NetParameter":
-        return read_net(_resolve(name, self._path, "net"))
-
-    def _make_net(self, net_param, phase: int, override) -> Net:
-        state = pb.NetState(phase=phase)
-        state.MergeFrom(net_param.state)
-        if override is not None:
-            state.MergeFrom(override)
-        net_param = pb.NetParameter.FromString(net_param.SerializeToString())
-        net_param.state.CopyFrom(state)
-        return Net(net_param, state.phase, level=state.level, stages=list(state.stage),
-                   device=self.device)
-
-    def _make_train_net(self) -> Net:
-        p = self.param
-        given = [f for f in ("net", "net_param", "train_net", "train_net_param") if p.HasField(f)]
-        if len(given) != 1:
-            raise SolverError("SolverParameter must specify exactly one train net using one of "
-                              f"net, net_param, train_net, train_net_param; got {given or 'none'}")
-        f = given[0]
-        net_param = (self._read_net(getattr(p, f)) if f in ("net", "train_net")
-                     else upgrade_net(getattr(p, f)))
-        log.info("Creating training net from %s", f)
-        return self._make_net(net_param, pb.TRAIN, p.train_state if p.HasField("train_state") else None)
-
-    def _make_test_nets(self) -> list[Net]:
-        p = self.param
-        sources = [("test_net_param", upgrade_net(n)) for n in p.test_net_param]
-        sources += [(f"test_net file: {n}", self._read_net(n)) for n in p.test_net]
-        generic = p.HasField("net") or p.HasField("net_param")
-        if len(p.test_iter) < len(sources) or (not generic and len(p.test_iter) != len(sources)):
-            raise SolverError(f"test_iter must be specified for each test network: {len(sources)} "
-                              f"test nets, {len(p.test_iter)} test_iter")
-        for _ in range(len(p.test_iter) - len(sources)):
-            sources.append((f"net file: {p.net}", self._read_net(p.net)) if p.HasField("net")
-                           else ("net_param", upgrade_net(p.net_param)))
-        if p.test_state and len(p.test_state) != len(sources):
-            raise SolverError("test_state must be unspecified or specified once per test net")
-        if sources and p.test_interval <= 0:
-            raise SolverError(f"{len(sources)} test net(s) need test_interval > 0")
-        nets = []
-        for i, (src, net_param) in enumerate(sources):
-            log.info("Creating test net (#%d) specified by %s", i, src)
-            nets.append(self._make_net(net_param, pb.TEST, p.test_state[i] if p.test_state else None))
-        return nets
+        prefix = self.param.snapshot_prefix
+        if not self.param.HasField("snapshot_prefix"):
+            raise SolverError("In solver params, snapshot is specified but snapshot_prefix is not")
+        folder = os.path.dirname(prefix) or "."
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise SolverError(f"Cannot write to snapshot prefix '{prefix}'. Make sure that the "
+                              "directory exists and is writeable.")
 
     def share_weights(self, net: Net) -> None:
         """Make ``net``'s layers use the train net's parameter tensors, by layer name
         (Caffe's ``ShareTrainedLayersWith``)."""
-        for layer in net.layer_list:
-            src = self.net.layer_by_name.get(layer.name)
-            if src is None or not layer.blobs:
-                continue
-            if len(src.blobs) != len(layer.blobs):
-                raise SolverError(f"Layer '{layer.name}': {len(layer.blobs)} blobs in net "
-                                  f"'{net.name}' but {len(src.blobs)} in the train net")
-            for j, (a, b) in enumerate(zip(src.blobs, layer.blobs)):
-                if tuple(a.shape) != tuple(b.shape):
-                    raise SolverError(f"Layer '{layer.name}' blob {j}: shape {tuple(b.shape)} in net "
-                                      f"'{net.name}' but {tuple(a.shape)} in the train net")
-            layer.blobs = list(src.blobs)
+        share_weights(self.net, net)
 
     # -- pycaffe surface --------------------------------------------------------------------
     @property
@@ -296,7 +182,7 @@ class Solver:
         log.info("Solving %s", self.net.name)
         log.info("Learning Rate Policy: %s", p.lr_policy)
         self._early_exit = False
-        with self._signals(sigint_effect, sighup_effect):
+        with signal_effects(self.request_action, sigint_effect, sighup_effect):
             if resume_file:
                 log.info("Restoring previous solver status from %s", resume_file)
                 self.restore(resume_file)
@@ -353,7 +239,7 @@ class Solver:
         value = f32(total.item()) / f32(self.param.iter_size)
         if not math.isfinite(value):
             raise LossNotFiniteError(f"Iteration {self.iter}: loss is {value}; "
-                                     f"{_nonfinite_origin(self.net)}")
+                                     f"{nonfinite_origin(self.net)}")
         return value
 
     def apply_update(self, display: bool = False) -> None:
@@ -512,43 +398,3 @@ class Solver:
         raise FileNotFoundError(f"{state_path}: its learned_net '{name}' was not found (relative to "
                                 f"the working directory or beside the solver state)")
 
-    @contextlib.contextmanager
-    def _signals(self, sigint: str | None, sighup: str | None):
-        previous = []
-        for name, effect in (("SIGINT", sigint), ("SIGHUP", sighup)):
-            if effect is None or not hasattr(signal, name):
-                continue
-            if effect not in EFFECTS:
-                raise ValueError(f"{name.lower()}_effect must be one of {', '.join(EFFECTS)}, got '{effect}'")
-            if threading.current_thread() is not threading.main_thread():
-                log.warning("signal handlers can only be installed from the main thread")
-                continue
-            sig = getattr(signal, name)
-            handler = (signal.SIG_IGN if effect == "none"
-                       else (lambda _s, _f, e=effect: self.request_action(e)))
-            previous.append((sig, signal.signal(sig, handler)))
-        try:
-            yield
-        finally:
-            for sig, old in previous:
-                signal.signal(sig, old)
-
-
-def _nonfinite_origin(net: Net) -> str:
-    """Replay the forward pass layer by layer and name the first non-finite top."""
-    for name in net.inputs:
-        if not torch.isfinite(net.blobs[name].tensor).all():
-            return f"input blob '{name}' is not finite"
-    with torch.no_grad():
-        for i, layer in enumerate(net.layer_list):
-            if layer.type == "Input":
-                continue
-            for j, b in enumerate(layer.blobs):
-                if not torch.isfinite(b).all():
-                    return f"parameter {j} of layer '{layer.name}' (type {layer.type}) is not finite"
-            net.forward_tensors(i, i)
-            for top in net.top_lists[i]:
-                t = net.blobs[top].tensor
-                if t.is_floating_point() and not torch.isfinite(t).all():
-                    return f"first non-finite top: '{top}' of layer '{layer.name}' (type {layer.type})"
-    return "no layer output is non-finite on replay (loss weights or a random layer?)"
