@@ -198,6 +198,7 @@ def test_apply_update_pycaffe():
     s.apply_update()
     for t, m in zip(s.net.learnable, s.net.lr_mults):
         np.testing.assert_allclose(t.detach().numpy(), -0.01 * m, atol=1e-7)
+        np.testing.assert_allclose(t.grad.numpy(), 0.01 * m, atol=1e-9)   # diff holds the step
     assert s.iter == 0
 
 
