@@ -25,3 +25,7 @@ from .solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,
 
 __all__ += ["SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver",
             "AdamSolver", "get_solver"]
+
+from . import io  # noqa: E402  (pycaffe's caffe.io)
+
+__all__ += ["io"]

@@ -1,0 +1,356 @@
+"""The key-value databases behind Caffe's ``Data`` layer: LMDB (py-lmdb) and LevelDB (plyvel).
+
+``open_db(path)`` gives a read-only database whose ``cursor()`` walks the records in key order
+and wraps around at the end, as Caffe's ``DataLayer`` does; every cursor has its own read
+transaction, so several nets reading one source each keep their own position. ``open_writer``
+gives a writer that commits every 1000 records (Caffe's converters) and grows the LMDB map
+as needed. Records are raw bytes; ``decode_datum`` parses a serialized ``Datum``.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from pathlib import Path
+
+from google.protobuf.message import DecodeError
+
+from ..proto import caffe_pb2 as pb
+
+LEVELDB_HELP = ("LevelDB support needs the 'plyvel' package: pip install plyvel "
+                "(or pip install brewnet[leveldb]); or convert the data to LMDB, the default")
+
+
+class DBError(ValueError):
+    """A database is missing, empty, unreadable or holds a corrupt record (the message names
+    the path, and the key where one is at fault)."""
+
+
+def detect_backend(path) -> str | None:
+    """'lmdb' or 'leveldb' from what the path holds on disk; None if it is neither."""
+    p = Path(path)
+    if p.is_file():
+        return "lmdb"          # a single-file LMDB (subdir=False)
+    if (p / "data.mdb").is_file():
+        return "lmdb"
+    if (p / "CURRENT").is_file() or any(p.glob("MANIFEST-*")):
+        return "leveldb"
+    return None
+
+
+def _backend_name(backend) -> str | None:
+    if backend is None:
+        return None
+    if isinstance(backend, int):   # DataParameter.DB enum
+        return {pb.DataParameter.LMDB: "lmdb", pb.DataParameter.LEVELDB: "leveldb"}[backend]
+    name = str(backend).lower()
+    if name not in ("lmdb", "leveldb"):
+        raise DBError(f"unknown database backend '{backend}'; known: lmdb, leveldb")
+    return name
+
+
+def open_db(path, backend=None) -> "LMDB | LevelDB":
+    """Open ``path`` read-only. ``backend`` ('lmdb', 'leveldb' or the DataParameter enum) is
+    what the caller declared; what is on disk wins, since Caffe's default (LEVELDB) is often
+    left in prototxts whose source is an LMDB."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise DBError(f"{path}: no such database (expected an LMDB directory holding data.mdb)")
+    found = detect_backend(path) or _backend_name(backend)
+    if found is None:
+        raise DBError(f"{path}: not an LMDB or LevelDB database (no data.mdb, no CURRENT file)")
+    db = LMDB(path) if found == "lmdb" else LevelDB(path)
+    if db.empty():
+        raise DBError(f"{path}: the {found.upper() if found == 'lmdb' else 'LevelDB'} database "
+                      "is empty (no records)")
+    return db
+
+
+def open_writer(path, backend="lmdb") -> "LMDBWriter | LevelDBWriter":
+    """A new database at ``path`` (Caffe's ``db->Open(path, NEW)``: it must not exist yet)."""
+    path = os.fspath(path)
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise DBError(f"{path}: already exists; remove it or choose another path")
+    name = _backend_name(backend) or "lmdb"
+    return LMDBWriter(path) if name == "lmdb" else LevelDBWriter(path)
+
+
+def decode_datum(value: bytes, key=b"", source="") -> "pb.Datum":
+    """Parse a serialized Datum; a corrupt record raises DBError naming key and source."""
+    datum = pb.Datum()
+    try:
+        datum.ParseFromString(value)
+    except DecodeError as e:
+        raise DBError(f"{source}: record {_show(key)} is not a valid Datum ({len(value)} bytes): "
+                      f"{e}") from None
+    if not datum.encoded:
+        need = datum.channels * datum.height * datum.width
+        have = len(datum.data) or len(datum.float_data)
+        if need <= 0 or have != need:
+            raise DBError(f"{source}: record {_show(key)} is a corrupt Datum: shape "
+                          f"{datum.channels}x{datum.height}x{datum.width} needs {need} values, "
+                          f"it holds {have}")
+    return datum
+
+
+def _show(key) -> str:
+    return repr(key.decode("utf-8", "replace")) if isinstance(key, bytes) else repr(key)
+
+
+# ------------------------------------------------------------------------------------ LMDB
+
+_ENVS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+_ENVS_LOCK = threading.Lock()
+
+
+class _Env:
+    """One read-only lmdb.Environment per file per process (LMDB forbids opening a file twice
+    in one process: closing either would drop the other's locks)."""
+
+    def __init__(self, path: str):
+        import lmdb
+
+        subdir = os.path.isdir(path)
+        kw = dict(subdir=subdir, readonly=True, readahead=False, max_readers=512)
+        try:
+            self.env = lmdb.open(path, lock=True, **kw)
+        except lmdb.Error:
+            # A read-only copy (no write access to lock.mdb): read it without the lock table,
+            # as Caffe's ALLOW_LMDB_NOLOCK build does.
+            try:
+                self.env = lmdb.open(path, lock=False, **kw)
+            except lmdb.Error as e:
+                raise DBError(f"{path}: cannot open LMDB: {e}") from None
+
+
+def _env(path: str):
+    key = os.path.realpath(path)
+    with _ENVS_LOCK:
+        env = _ENVS.get(key)
+        if env is None:
+            env = _Env(path)
+            _ENVS[key] = env
+        return env
+
+
+class LMDB:
+    """A read-only LMDB; ``len(db)`` records, ``db.cursor()`` independent wrapping cursors."""
+
+    backend = "lmdb"
+
+    def __init__(self, path: str):
+        self.path = path
+        self._env = _env(path)      # keeps the shared environment alive
+
+    def __len__(self) -> int:
+        return self._env.env.stat()["entries"]
+
+    def empty(self) -> bool:
+        return len(self) == 0
+
+    def cursor(self) -> "Cursor":
+        txn = self._env.env.begin(buffers=False)
+        return Cursor(self, _LmdbIter(txn))
+
+    def get(self, key: bytes) -> bytes | None:
+        with self._env.env.begin() as txn:
+            return txn.get(key)
+
+    def items(self):
+        """Every (key, value) once, in key order."""
+        with self._env.env.begin(buffers=False) as txn:
+            yield from txn.cursor()
+
+
+class _LmdbIter:
+    def __init__(self, txn):
+        self.txn, self.cur = txn, txn.cursor()
+
+    def first(self) -> bool:
+        return self.cur.first()
+
+    def next(self) -> bool:
+        return self.cur.next()
+
+    def item(self) -> tuple[bytes, bytes]:
+        return self.cur.item()
+
+
+class Cursor:
+    """Walks the records in key order and wraps around at the end (``epochs`` counts wraps).
+
+    ``next()`` returns the current (key, value) and advances; ``peek()`` does not advance.
+    A cursor is used by one thread at a time (it may move between threads).
+    """
+
+    def __init__(self, db, it):
+        self.db, self._it = db, it
+        self.epochs = 0
+        if not it.first():
+            raise DBError(f"{db.path}: the database is empty (no records)")
+
+    def peek(self) -> tuple[bytes, bytes]:
+        return self._it.item()
+
+    def next(self) -> tuple[bytes, bytes]:
+        item = self._it.item()
+        self.advance()
+        return item
+
+    def advance(self, n: int = 1) -> None:
+        for _ in range(n):
+            if not self._it.next():
+                self._it.first()
+                self.epochs += 1
+
+
+class LMDBWriter:
+    """Writes records to a new LMDB, committing every ``commit_every`` puts; the memory map
+    doubles whenever it fills (Caffe's ``LMDBTransaction::DoubleMapSize``)."""
+
+    def __init__(self, path: str, commit_every: int = 1000, map_size: int = 1 << 26):
+        import lmdb
+
+        os.makedirs(path, exist_ok=True)
+        self.path, self.commit_every = path, commit_every
+        self.env = lmdb.open(path, map_size=map_size, subdir=True, readahead=False)
+        self._pending: list[tuple[bytes, bytes]] = []
+        self.count = 0
+
+    def put(self, key, value: bytes) -> None:
+        self._pending.append((key.encode() if isinstance(key, str) else key, value))
+        self.count += 1
+        if len(self._pending) >= self.commit_every:
+            self.commit()
+
+    def commit(self) -> None:
+        import lmdb
+
+        while self._pending:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for k, v in self._pending:
+                        txn.put(k, v)
+                self._pending.clear()
+            except lmdb.MapFullError:
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.commit()
+            self.env.close()
+            self.env = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# --------------------------------------------------------------------------------- LevelDB
+
+def _plyvel():
+    try:
+        import plyvel
+    except ImportError:
+        raise DBError(LEVELDB_HELP) from None
+    return plyvel
+
+
+_LEVELDBS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+
+
+class _LevelHandle:
+    def __init__(self, path: str):
+        try:
+            self.db = _plyvel().DB(path, create_if_missing=False)
+        except DBError:
+            raise
+        except Exception as e:   # plyvel.Error, IOError (lock held by another process)
+            raise DBError(f"{path}: cannot open LevelDB: {e}") from None
+
+
+class LevelDB:
+    """A LevelDB opened through plyvel; one handle per file per process (LevelDB locks it)."""
+
+    backend = "leveldb"
+
+    def __init__(self, path: str):
+        self.path = path
+        key = os.path.realpath(path)
+        with _ENVS_LOCK:
+            handle = _LEVELDBS.get(key)
+            if handle is None:
+                handle = _LevelHandle(path)
+                _LEVELDBS[key] = handle
+        self._handle = handle
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._handle.db.iterator(include_value=False))
+
+    def empty(self) -> bool:
+        return next(self._handle.db.iterator(include_value=False), None) is None
+
+    def cursor(self) -> Cursor:
+        return Cursor(self, _LevelIter(self._handle.db))
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._handle.db.get(key)
+
+    def items(self):
+        """Every (key, value) once, in key order."""
+        with self._handle.db.snapshot() as snap:
+            yield from snap.iterator()
+
+
+class _LevelIter:
+    def __init__(self, db):
+        self.snapshot = db.snapshot()
+        self.it = None
+
+    def first(self) -> bool:
+        self.it = self.snapshot.iterator()
+        self._item = next(self.it, None)
+        return self._item is not None
+
+    def next(self) -> bool:
+        self._item = next(self.it, None)
+        return self._item is not None
+
+    def item(self) -> tuple[bytes, bytes]:
+        return self._item
+
+
+class LevelDBWriter:
+    """Writes records to a new LevelDB in batches of ``commit_every``."""
+
+    def __init__(self, path: str, commit_every: int = 1000):
+        plyvel = _plyvel()
+        self.path, self.commit_every = path, commit_every
+        self.db = plyvel.DB(path, create_if_missing=True, error_if_exists=True)
+        self._batch = self.db.write_batch()
+        self._n = self.count = 0
+
+    def put(self, key, value: bytes) -> None:
+        self._batch.put(key.encode() if isinstance(key, str) else key, value)
+        self._n += 1
+        self.count += 1
+        if self._n >= self.commit_every:
+            self.commit()
+
+    def commit(self) -> None:
+        self._batch.write()
+        self._batch, self._n = self.db.write_batch(), 0
+
+    def close(self) -> None:
+        if self.db is not None:
+            self.commit()
+            self.db.close()
+            self.db = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

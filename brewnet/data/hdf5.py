@@ -1,0 +1,164 @@
+"""HDF5 data layers: HDF5Data (rows of datasets named like the tops) and HDF5Output."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..layers.base import register
+from ..layers.data import _Source
+from .source import check_batch
+from .transform import _seed_rng
+
+log = logging.getLogger("brewnet")
+
+
+def _resolve(name: str, list_path: str) -> str:
+    # Caffe opens list entries relative to the working directory; entries relative to the
+    # list file are accepted too.
+    if os.path.exists(name) or os.path.isabs(name):
+        return name
+    alt = os.path.join(os.path.dirname(os.path.abspath(list_path)), name)
+    return alt if os.path.exists(alt) else name
+
+
+@register("HDF5Data")
+class HDF5Data(_Source):
+    """Rows of HDF5 datasets named like the tops, from the files listed in ``source``, read in
+    file order (or shuffled files and rows), wrapping around. Values become float32.
+    Shapes: none -> one top per dataset, (batch_size,) + dataset.shape[1:].
+    Params: hdf5_data_param {source, batch_size, shuffle}."""
+
+    min_tops = 1
+
+    def setup(self, bottom_shapes):
+        p = self.param.hdf5_data_param
+        self.batch_size = check_batch(self, p.batch_size)
+        try:
+            names = Path(p.source).read_text().split()
+        except OSError as e:
+            raise self.fail(f"cannot read HDF5 file list {p.source}: {e.strerror or e}") from None
+        if not names:
+            raise self.fail(f"must have at least 1 HDF5 filename listed in {p.source}")
+        self.files = [_resolve(n, p.source) for n in names]
+        self.shuffle = p.shuffle
+        self.rng = _seed_rng()
+        self.file_order = np.arange(len(self.files))
+        if self.shuffle:
+            self.rng.shuffle(self.file_order)
+        self.current_file = 0
+        self._load(self.files[self.file_order[0]])
+        self.shapes = [(self.batch_size,) + b.shape[1:] for b in self.blobs_in_file]
+
+    def _load(self, path: str) -> None:
+        import h5py
+
+        tops = list(self.param.top)
+        try:
+            with h5py.File(path, "r") as f:
+                missing = [t for t in tops if t not in f]
+                if missing:
+                    raise self.fail(f"HDF5 file {path} has no dataset {missing[0]!r} (a top's name "
+                                    f"selects its dataset); it has {sorted(f.keys())}")
+                blobs = [np.asarray(f[t][()], dtype=np.float32) for t in tops]
+        except OSError as e:
+            raise self.fail(f"cannot read HDF5 file {path}: {e}") from None
+        for t, b in zip(tops, blobs):
+            if b.ndim < 1:
+                raise self.fail(f"dataset {t!r} in {path} is a scalar; it needs a row axis")
+            if b.shape[0] != blobs[0].shape[0]:
+                raise self.fail(f"datasets in {path} have different row counts: {tops[0]!r} "
+                                f"{blobs[0].shape[0]}, {t!r} {b.shape[0]}")
+        if blobs[0].shape[0] == 0:
+            raise self.fail(f"HDF5 file {path} holds no rows")
+        if hasattr(self, "shapes"):
+            for t, b, s in zip(tops, blobs, self.shapes):
+                if b.shape[1:] != s[1:]:
+                    raise self.fail(f"dataset {t!r} in {path} has rows of shape {b.shape[1:]}, "
+                                    f"the first file's have {s[1:]}")
+        self.blobs_in_file = blobs
+        self.row_order = np.arange(blobs[0].shape[0])
+        if self.shuffle:
+            self.rng.shuffle(self.row_order)
+        self.current_row = 0
+
+    def _next(self) -> None:
+        self.current_row += 1
+        if self.current_row == len(self.row_order):
+            if len(self.files) > 1:
+                self.current_file += 1
+                if self.current_file == len(self.files):
+                    self.current_file = 0
+                    if self.shuffle:
+                        self.rng.shuffle(self.file_order)
+                self._load(self.files[self.file_order[self.current_file]])
+            self.current_row = 0
+            if self.shuffle:
+                self.rng.shuffle(self.row_order)
+
+    def reshape(self, bottom_shapes):
+        return list(self.shapes)
+
+    def forward(self, bottoms):
+        outs = [np.empty(s, np.float32) for s in self.shapes]
+        for i in range(self.batch_size):
+            row = self.row_order[self.current_row]
+            for o, b in zip(outs, self.blobs_in_file):
+                o[i] = b[row]
+            self._next()
+        return [torch.from_numpy(o).to(device=self.device, dtype=self.dtype) for o in outs]
+
+
+@register("HDF5Output")
+class HDF5Output(_Source):
+    """Writes its two bottoms to datasets "data" and "label" of ``file_name`` (created, or
+    truncated, at setup), in Caffe's 4-D (num, channels, height, width) layout.
+    Shapes: data (N, ...), label (N, ...) -> no tops. Params: hdf5_output_param {file_name}.
+    Differs from Caffe: each forward appends its rows (Caffe's second forward fails because
+    the datasets already exist)."""
+
+    exact_bottoms, exact_tops = 2, 0
+
+    def setup(self, bottom_shapes):
+        import h5py
+
+        self.file_name = self.param.hdf5_output_param.file_name
+        try:
+            self.file = h5py.File(self.file_name, "w")
+        except OSError as e:
+            raise self.fail(f"failed to open HDF5 file {self.file_name}: {e}") from None
+
+    def reshape(self, bottom_shapes):
+        a, b = bottom_shapes
+        if not a or not b or a[0] != b[0] or len(a) > 4 or len(b) > 4:
+            raise self.fail("data and label must have the same num and at most 4 axes, got "
+                            f"shapes {tuple(a)} and {tuple(b)}")
+        return []
+
+    def forward(self, bottoms):
+        for name, t in zip(("data", "label"), bottoms):
+            arr = t.detach().cpu().numpy()
+            arr = arr.reshape(arr.shape + (1,) * (4 - arr.ndim))   # Caffe's legacy 4-D shape
+            if name not in self.file:
+                self.file.create_dataset(name, data=arr, maxshape=(None,) + arr.shape[1:], chunks=True)
+            else:
+                ds = self.file[name]
+                if ds.shape[1:] != arr.shape[1:]:
+                    raise self.fail(f"bottom '{name}' rows changed shape from {ds.shape[1:]} to "
+                                    f"{arr.shape[1:]} between forwards")
+                ds.resize(ds.shape[0] + arr.shape[0], axis=0)
+                ds[-arr.shape[0]:] = arr
+        self.file.flush()
+        log.info("Layer '%s': saved %d rows to %s", self.name, bottoms[0].shape[0], self.file_name)
+        return []
+
+    def __del__(self):
+        f = getattr(self, "file", None)
+        if f is not None:
+            try:
+                f.close()
+            except Exception:  # interpreter shutdown: h5py may be half torn down
+                pass

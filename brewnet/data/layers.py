@@ -1,0 +1,162 @@
+"""Data layers that read from disk: Data (LMDB/LevelDB Datums), ImageData (image list),
+HDF5Data, HDF5Output and WindowData (R-CNN windows).
+
+Each layer owns a loader (its own cursor, file position, shuffling and transform RNG, so
+several nets reading one source never share a position) that makes host batches; Data,
+ImageData and WindowData run it in a background Prefetcher thread (``data_param.prefetch``
+batches ahead, 0: load in the forward pass). Tops are float32 on the CPU until the net calls
+``to(device, dtype)``; on CUDA batches are built in pinned memory and copied non-blocking.
+Data tops have no backward. The loaders never reference the layer, so a dropped net stops
+its thread.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from ..layers.base import register
+from ..proto import caffe_pb2 as pb
+from .convert import ListError, read_list
+from .db import DBError, decode_datum, open_db
+from .source import Loader, Prefetching, check_batch
+from .transform import DataTransformer, TransformError, hwc_to_chw, read_image
+
+log = logging.getLogger("brewnet")
+
+
+# ------------------------------------------------------------------------------------ Data
+
+class _DatumLoader(Loader):
+    def __init__(self, cursor, source, batch_size, transformer, with_label):
+        self.cursor, self.source, self.batch_size = cursor, source, batch_size
+        self.tf, self.with_label = transformer, with_label
+
+    def next_batch(self):
+        images, labels = [], np.empty(self.batch_size, np.float32)
+        for i in range(self.batch_size):
+            key, value = self.cursor.next()
+            datum = decode_datum(value, key, self.source)
+            images.append(self.tf.image(datum, key, self.source))
+            labels[i] = datum.label
+        data = self.alloc((self.batch_size,) + self.tf.check(images[0].shape))
+        self.tf.transform(images, out=data.numpy())
+        return [data, self.alloc(labels.shape).copy_(torch.from_numpy(labels))][:1 + self.with_label]
+
+
+@register("Data")
+class Data(Prefetching):
+    """Datums from an LMDB (or LevelDB) in key order, wrapping at the end, transformed.
+    Shapes: none -> data (batch_size, C, H', W') [, label (batch_size,)].
+    Params: data_param {source, batch_size, rand_skip, backend, prefetch, force_encoded_color},
+    transform_param. Records may be raw (data bytes or float_data) or encoded images.
+    Differs from Caffe: the database kind is read from disk (Caffe's default backend is LEVELDB,
+    which prototxts with an LMDB source often leave unset); rand_skip skips a uniform
+    0..rand_skip-1 records at setup, as Caffe's single-reader layer did."""
+
+    min_tops, max_tops = 1, 2
+
+    def setup(self, bottom_shapes):
+        p = self.param.data_param
+        bs = check_batch(self, p.batch_size)
+        tparam = pb.TransformationParameter()
+        tparam.CopyFrom(self.param.transform_param)
+        if p.force_encoded_color:
+            tparam.force_color = True
+        try:
+            db = open_db(p.source, p.backend if p.HasField("backend") else None)
+            cursor = db.cursor()
+            tf = DataTransformer(tparam, self.phase, who=f"Layer '{self.name}' (type Data)")
+            if p.rand_skip:
+                skip = int(tf.rng.integers(0, p.rand_skip))
+                log.info("Layer '%s': skipping first %d data points", self.name, skip)
+                cursor.advance(skip)
+            key, value = cursor.peek()
+            item = tf.check(tf.image(decode_datum(value, key, p.source), key, p.source).shape)
+        except (DBError, TransformError) as e:
+            raise self.fail(str(e)) from None
+        self.db = db
+        self.shapes = [(bs,) + item, (bs,)][:self.num_tops]
+        self.start_loader(_DatumLoader(cursor, p.source, bs, tf, self.num_tops == 2), p.prefetch)
+
+    def reshape(self, bottom_shapes):
+        return list(self.shapes)
+
+
+# ------------------------------------------------------------------------------- ImageData
+
+class _ImageLoader(Loader):
+    def __init__(self, lines, list_path, root, size, color, shuffle, batch_size, tf, pos):
+        self.lines, self.list_path, self.root = lines, list_path, root
+        self.size, self.color, self.shuffle = size, color, shuffle
+        self.batch_size, self.tf, self.pos = batch_size, tf, pos
+
+    def read(self, i: int) -> np.ndarray:
+        name, _, lineno = self.lines[i]
+        try:
+            img = read_image(self.root + name, *self.size, color=self.color)
+        except OSError as e:
+            raise OSError(f"{self.list_path} line {lineno}: {e}") from None
+        return hwc_to_chw(img)
+
+    def next_batch(self):
+        images, labels = [], np.empty(self.batch_size, np.float32)
+        for i in range(self.batch_size):
+            images.append(self.read(self.pos))
+            labels[i] = self.lines[self.pos][1]
+            self.pos += 1
+            if self.pos >= len(self.lines):
+                self.pos = 0
+                if self.shuffle:
+                    self.tf.rng.shuffle(self.lines)
+        data = self.alloc((self.batch_size,) + self.tf.check(images[0].shape))
+        self.tf.transform(images, out=data.numpy())
+        return [data, self.alloc(labels.shape).copy_(torch.from_numpy(labels))]
+
+
+@register("ImageData")
+class ImageData(Prefetching):
+    """Images named in a list file ('path label' per line), read with OpenCV (BGR), optionally
+    resized (bilinear) to new_height x new_width, transformed.
+    Shapes: none -> data (batch_size, C, H', W'), label (batch_size,).
+    Params: image_data_param {source, batch_size, rand_skip, shuffle, new_height, new_width,
+    is_color, root_folder}, transform_param; data_param.prefetch sets the queue depth.
+    Differs from Caffe: a list line without a label is an error (Caffe reads label 0)."""
+
+    exact_tops = 2
+
+    def setup(self, bottom_shapes):
+        p = self.param.image_data_param
+        bs = check_batch(self, p.batch_size)
+        if (p.new_height > 0) != (p.new_width > 0):
+            raise self.fail("new_height and new_width must be set together (or neither), got "
+                            f"{p.new_height} x {p.new_width}")
+        who = f"Layer '{self.name}' (type ImageData)"
+        try:
+            lines = read_list(p.source)
+            tf = DataTransformer(self.param.transform_param, self.phase, who=who)
+        except (ListError, TransformError) as e:
+            raise self.fail(str(e)) from None
+        if p.shuffle:
+            tf.rng.shuffle(lines)
+        pos = 0
+        if p.rand_skip:
+            pos = int(tf.rng.integers(0, p.rand_skip))
+            if pos >= len(lines):
+                raise self.fail(f"not enough points to skip: rand_skip drew {pos}, the list has "
+                                f"{len(lines)} lines")
+        loader = _ImageLoader(lines, p.source, p.root_folder, (p.new_height, p.new_width),
+                              p.is_color, p.shuffle, bs, tf, pos)
+        try:
+            item = tf.check(loader.read(pos).shape)
+        except (OSError, TransformError) as e:
+            raise self.fail(str(e)) from None
+        self.shapes = [(bs,) + item, (bs,)]
+        self.start_loader(loader, self.param.data_param.prefetch)
+
+    def reshape(self, bottom_shapes):
+        return list(self.shapes)
+
+
+from . import hdf5, window  # noqa: E402,F401  (register HDF5Data, HDF5Output, WindowData)

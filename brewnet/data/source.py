@@ -1,0 +1,76 @@
+"""The base of the prefetching data layers: a Loader makes host batches, a Prefetching layer
+serves them from a background Prefetcher and moves them to the net's device and dtype."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..layers.data import _Source
+from .db import DBError
+from .prefetch import Prefetcher
+from .transform import TransformError
+
+log = logging.getLogger("brewnet")
+
+
+class Loader:
+    """Makes one host batch per call (``next_batch() -> list of float32 CPU tensors``).
+
+    Batches go into fresh tensors from ``alloc``, pinned when the net is on CUDA: torch's
+    pinned-memory cache then keeps a block until its non-blocking copy has finished.
+    """
+
+    pin = False
+
+    def alloc(self, shape) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32, pin_memory=self.pin)
+
+    def __call__(self) -> list[torch.Tensor]:
+        return self.next_batch()
+
+
+class Prefetching(_Source):
+    """A data layer whose batches come from ``self.loader`` through a Prefetcher."""
+
+    def start_loader(self, loader: Loader, depth: int) -> None:
+        self.loader = loader
+        self.prefetcher = Prefetcher(loader, depth, name=self.name) if depth > 0 else None
+        self.wait_s = 0.0          # used when depth is 0 (loading inside forward)
+
+    def to(self, device=None, dtype=None):
+        super().to(device, dtype)
+        # Batches already queued stay unpinned; they copy correctly, only synchronously.
+        self.loader.pin = self.device.type == "cuda"
+        return self
+
+    def forward(self, bottoms):
+        try:
+            if self.prefetcher is not None:
+                batch = self.prefetcher.get()
+            else:
+                t0 = time.perf_counter()
+                batch = self.loader()
+                self.wait_s += time.perf_counter() - t0
+        except (DBError, TransformError, OSError) as e:
+            raise self.fail(str(e)) from None
+        return [t.to(device=self.device, dtype=self.dtype, non_blocking=True) for t in batch]
+
+    @property
+    def data_wait_s(self) -> float:
+        """Seconds the forward pass spent waiting for data."""
+        return self.prefetcher.wait_s if self.prefetcher is not None else self.wait_s
+
+    def __del__(self):
+        p = getattr(self, "prefetcher", None)
+        if p is not None:
+            p._stop.set()
+
+
+def check_batch(layer, n: int) -> int:
+    if n <= 0:
+        raise layer.fail(f"batch_size must be positive, got {n}")
+    return int(n)
+
+
