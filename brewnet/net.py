@@ -333,11 +333,10 @@ class Net:
             if t.requires_grad:
                 seeds.append(t)
                 grads.append(self.blobs[self.top_lists[j][k]].diff_tensor.to(t.dtype))
-        if not seeds:
-            return
         params = [p for p in self._range_params(lo, hi) if p.requires_grad]
         if not blob_diffs:
-            torch.autograd.backward(seeds, grads, inputs=params)
+            if seeds:
+                torch.autograd.backward(seeds, grads, inputs=params)
             return
         targets: dict[str, torch.Tensor] = {}
         for j in range(lo, hi + 1):
@@ -348,8 +347,11 @@ class Net:
                 if name not in self.bottom_lists[j] and name not in self._loss_weights:
                     targets.setdefault(name, t)
         names = [n for n, t in targets.items() if t.requires_grad]
-        got = torch.autograd.grad(seeds, [targets[n] for n in names] + params, grads,
-                                  allow_unused=True, retain_graph=True)
+        # No seed (e.g. only a Silence consumes the blobs): every diff in the range is zero.
+        got = [None] * (len(names) + len(params))
+        if seeds:
+            got = torch.autograd.grad(seeds, [targets[n] for n in names] + params, grads,
+                                      allow_unused=True, retain_graph=True)
         for n, g in zip(names, got[:len(names)]):
             b = self.blobs[n]
             b.diff_tensor = torch.zeros(b.shape, dtype=b.tensor.dtype, device=b.tensor.device) \

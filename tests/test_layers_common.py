@@ -388,3 +388,24 @@ def test_argmax_errors():
         build("ArgMax", "argmax_param { top_k: 6 }", [(2, 5)])
     with pytest.raises(LayerError, match="top_k 4 exceeds axis 1"):
         build("ArgMax", "argmax_param { top_k: 4 axis: 1 }", [(2, 3, 9)])
+
+
+def test_flatten_gradcheck():
+    layer, tops = make_layer('name: "f" type: "Flatten" bottom: "x" top: "y" flatten_param { axis: 1 end_axis: 2 }',
+                             [(2, 3, 4, 5)])
+    assert tops == [(2, 12, 5)]
+    assert gradcheck_layer(layer, [torch.randn(2, 3, 4, 5, dtype=torch.float64)])
+
+
+def test_silence_backward_gives_zero_diff():
+    # Caffe's Silence writes zeros into its bottoms' diffs: in a net a silenced blob gets none.
+    from brewnet.net import Net
+
+    net = Net("""force_backward: true
+      layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } }
+      layer { name: "s" type: "Silence" bottom: "x" }""", 0)
+    net.blobs["x"].data[...] = 1
+    net.forward()
+    net.blobs["x"].diff[...] = 7
+    net.backward()
+    assert not net.blobs["x"].diff.any()
