@@ -97,7 +97,7 @@ class Transformer:
     def preprocess(self, in_, data) -> np.ndarray:
         """(H', W', K) image -> (K, H, W) float32 array for input ``in_``."""
         self.__check_input(in_)
-        caffe_in = np.asarray(data).astype(np.float32, copy=False)
+        caffe_in = np.array(data, dtype=np.float32)     # a copy: the steps below are in place
         in_dims = self.inputs[in_][2:]
         if caffe_in.shape[:2] != in_dims:
             caffe_in = resize_image(caffe_in, in_dims)
@@ -106,11 +106,11 @@ class Transformer:
         if in_ in self.channel_swap:
             caffe_in = caffe_in[list(self.channel_swap[in_]), :, :]
         if in_ in self.raw_scale:
-            caffe_in = caffe_in * self.raw_scale[in_]
+            caffe_in *= self.raw_scale[in_]
         if in_ in self.mean:
-            caffe_in = caffe_in - self.mean[in_]
+            caffe_in -= self.mean[in_]
         if in_ in self.input_scale:
-            caffe_in = caffe_in * self.input_scale[in_]
+            caffe_in *= self.input_scale[in_]
         return caffe_in
 
     def deprocess(self, in_, data) -> np.ndarray:

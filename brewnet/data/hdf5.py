@@ -118,7 +118,7 @@ class HDF5Output(_Source):
     truncated, at setup), in Caffe's 4-D (num, channels, height, width) layout.
     Shapes: data (N, ...), label (N, ...) -> no tops. Params: hdf5_output_param {file_name}.
     Differs from Caffe: each forward appends its rows (Caffe's second forward fails because
-    the datasets already exist)."""
+    the datasets already exist), and the file is open only while a forward writes it."""
 
     exact_bottoms, exact_tops = 2, 0
 
@@ -127,7 +127,7 @@ class HDF5Output(_Source):
 
         self.file_name = self.param.hdf5_output_param.file_name
         try:
-            self.file = h5py.File(self.file_name, "w")
+            h5py.File(self.file_name, "w").close()
         except OSError as e:
             raise self.fail(f"failed to open HDF5 file {self.file_name}: {e}") from None
 
@@ -139,26 +139,20 @@ class HDF5Output(_Source):
         return []
 
     def forward(self, bottoms):
-        for name, t in zip(("data", "label"), bottoms):
-            arr = t.detach().cpu().numpy()
-            arr = arr.reshape(arr.shape + (1,) * (4 - arr.ndim))   # Caffe's legacy 4-D shape
-            if name not in self.file:
-                self.file.create_dataset(name, data=arr, maxshape=(None,) + arr.shape[1:], chunks=True)
-            else:
-                ds = self.file[name]
+        import h5py
+
+        with h5py.File(self.file_name, "a") as f:
+            for name, t in zip(("data", "label"), bottoms):
+                arr = t.detach().cpu().numpy()
+                arr = arr.reshape(arr.shape + (1,) * (4 - arr.ndim))   # Caffe's legacy 4-D shape
+                if name not in f:
+                    f.create_dataset(name, data=arr, maxshape=(None,) + arr.shape[1:], chunks=True)
+                    continue
+                ds = f[name]
                 if ds.shape[1:] != arr.shape[1:]:
                     raise self.fail(f"bottom '{name}' rows changed shape from {ds.shape[1:]} to "
                                     f"{arr.shape[1:]} between forwards")
                 ds.resize(ds.shape[0] + arr.shape[0], axis=0)
                 ds[-arr.shape[0]:] = arr
-        self.file.flush()
         log.info("Layer '%s': saved %d rows to %s", self.name, bottoms[0].shape[0], self.file_name)
         return []
-
-    def __del__(self):
-        f = getattr(self, "file", None)
-        if f is not None:
-            try:
-                f.close()
-            except Exception:  # interpreter shutdown: h5py may be half torn down
-                pass

@@ -135,9 +135,13 @@ class DataTransformer:
         self._warned_force = False
 
     def _load_mean(self, path) -> np.ndarray:
+        from ..proto.errors import ProtoError
         from ..proto.io import read_binaryproto
 
-        mean = read_binaryproto(path).astype(np.float32)
+        try:
+            mean = read_binaryproto(path).astype(np.float32)
+        except ProtoError as e:
+            raise TransformError(f"{self.who}: cannot load mean_file: {e}") from None
         while mean.ndim > 3 and mean.shape[0] == 1:
             mean = mean[0]
         if mean.ndim == 2:
