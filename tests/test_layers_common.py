@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from brewnet.layers import LayerError
-from brewnet.layers.common import reshape_shape
+from brewnet.layers.shape import reshape_shape
 
 from helpers import gradcheck_layer, make_layer
 

@@ -1,8 +1,8 @@
-"""Common layers: inner product, embedding, softmax, routing/shape layers, reductions, ArgMax.
+"""Common layers: inner product, embedding, softmax, eltwise, reductions, parameters, ArgMax.
 
 Shape rules (Caffe's ``Reshape`` methods) live in ``reshape`` and are checked there; ``forward``
-is torch ops only. Pure helpers at the top (``reshape_shape``, ``eltwise_max``, ``argmax``) hold
-the Caffe rules that are worth testing alone.
+is torch ops only. Pure helpers at the top (``eltwise_max``, ``sort_desc``) hold the Caffe rules
+that are worth testing alone. Routing and shape layers are in ``shape.py``.
 """
 from __future__ import annotations
 
@@ -17,45 +17,6 @@ Op = pb.EltwiseParameter
 
 
 # -- functional core --------------------------------------------------------------------------
-def reshape_shape(bottom, dims, axis=0, num_axes=-1, who=None):
-    """Caffe's Reshape rule: replace axes [axis, axis + num_axes) of ``bottom`` by ``dims``;
-    0 copies the bottom dim at that position, one -1 is inferred. Negative ``axis`` counts from
-    the end with +1 (-1 appends)."""
-    fail = (who.fail if who is not None else ValueError)
-    n = len(bottom)
-    start = axis if axis >= 0 else n + axis + 1
-    if not 0 <= start <= n:
-        raise fail(f"reshape axis {axis} out of range for bottom shape {tuple(bottom)}")
-    if num_axes < -1:
-        raise fail(f"reshape num_axes must be >= -1, got {num_axes}")
-    end = n if num_axes == -1 else start + num_axes
-    if end > n:
-        raise fail(f"reshape axis {axis} + num_axes {num_axes} exceed bottom shape {tuple(bottom)}")
-    if list(dims).count(-1) > 1:
-        raise fail(f"reshape shape {list(dims)} has more than one -1")
-    new = []
-    for i, d in enumerate(dims):
-        if d == 0:
-            if start + i >= n:
-                raise fail(f"reshape shape {list(dims)} has a 0 at position {i} but bottom "
-                           f"{tuple(bottom)} has no axis {start + i} to copy")
-            d = bottom[start + i]
-        elif d < -1:
-            raise fail(f"reshape shape {list(dims)} has an invalid dim {d}")
-        new.append(int(d))
-    top = list(bottom[:start]) + new + list(bottom[end:])
-    total = count(bottom)
-    if -1 in new:
-        known = count([d for d in top if d != -1])
-        if known == 0 or total % known:
-            raise fail(f"bottom count {total} (shape {tuple(bottom)}) is not divisible by the "
-                       f"product {known} of the reshape dims {list(dims)}")
-        top[start + new.index(-1)] = total // known
-    if count(top) != total:
-        raise fail(f"reshape of {tuple(bottom)} to {tuple(top)} changes the count")
-    return tuple(top)
-
-
 def eltwise_max(xs):
     """Elementwise max with Caffe's tie rule: of the first two, ties go to the second; later
     bottoms win only when strictly greater. torch.where routes the gradient to the winner."""
@@ -74,6 +35,8 @@ def sort_desc(x, dim):
 
 
 # -- layers -----------------------------------------------------------------------------------
+
+
 @register("InnerProduct")
 class InnerProduct(Layer):
     """Fully connected: y = x W^T + b over the axes from ``axis`` on.
@@ -163,83 +126,6 @@ class Softmax(Layer):
         return [torch.softmax(x, canonical_axis(self.param.softmax_param.axis, x.dim(), self))]
 
 
-def _legacy_axis(layer, msg, legacy_name, num_axes):
-    """Concat/Slice: ``axis`` or the deprecated ``*_dim`` (not both; the legacy one is >= 0)."""
-    if msg.HasField("axis") and msg.HasField(legacy_name):
-        raise layer.fail(f"give either axis or {legacy_name}, not both")
-    if msg.HasField(legacy_name):
-        a = getattr(msg, legacy_name)
-        if a >= num_axes:
-            raise layer.fail(f"{legacy_name} {a} out of range for a {num_axes}-D blob")
-        return a
-    return canonical_axis(msg.axis, num_axes, layer)
-
-
-@register("Concat")
-class Concat(Layer):
-    """Join bottoms along ``axis``. Shapes: all equal except at axis -> summed there.
-    Params: concat_param.axis, or legacy concat_dim."""
-
-    min_bottoms = 1
-    exact_tops = 1
-
-    def reshape(self, bottom_shapes):
-        s0 = tuple(bottom_shapes[0])
-        self.axis = _legacy_axis(self, self.param.concat_param, "concat_dim", len(s0))
-        for s in bottom_shapes[1:]:
-            if len(s) != len(s0) or any(a != b for i, (a, b) in enumerate(zip(s, s0)) if i != self.axis):
-                raise self.fail(f"bottom shapes {[tuple(b) for b in bottom_shapes]} differ "
-                                f"outside the concat axis {self.axis}")
-        return [s0[:self.axis] + (sum(s[self.axis] for s in bottom_shapes),) + s0[self.axis + 1:]]
-
-    def forward(self, bottoms):
-        return [torch.cat(bottoms, self.axis) if len(bottoms) > 1 else bottoms[0].view_as(bottoms[0])]
-
-
-@register("Slice")
-class Slice(Layer):
-    """Split the bottom along ``axis`` at slice_point(s), or into equal parts.
-    Shapes: one bottom -> one top per piece. Params: slice_param {axis | slice_dim, slice_point}."""
-
-    exact_bottoms = 1
-    min_tops = 1
-
-    def reshape(self, bottom_shapes):
-        s = tuple(bottom_shapes[0])
-        p = self.param.slice_param
-        self.axis = _legacy_axis(self, p, "slice_dim", len(s))
-        dim, ntop = s[self.axis], self.num_tops
-        points = list(p.slice_point)
-        if points:
-            if len(points) != ntop - 1:
-                raise self.fail(f"{len(points)} slice_point(s) for {ntop} tops (need {ntop - 1})")
-            if any(b <= a for a, b in zip([0] + points, points + [dim])):
-                raise self.fail(f"slice_point {points} must increase strictly within (0, {dim}) "
-                                f"(axis {self.axis} of shape {s})")
-            self.sizes = [b - a for a, b in zip([0] + points, points + [dim])]
-        else:
-            if dim % ntop:
-                raise self.fail(f"{ntop} tops do not evenly divide axis {self.axis} of shape {s}")
-            self.sizes = [dim // ntop] * ntop
-        return [s[:self.axis] + (n,) + s[self.axis + 1:] for n in self.sizes]
-
-    def forward(self, bottoms):
-        return list(torch.split(bottoms[0], self.sizes, self.axis))
-
-
-@register("Split")
-class Split(Layer):
-    """Copy the bottom to every top (shared data); backward sums the top diffs.
-    Shapes: x -> x, x, ... Params: none."""
-
-    exact_bottoms = 1
-    min_tops = 1
-
-    def forward(self, bottoms):
-        x = bottoms[0]
-        return [x.view_as(x) for _ in range(self.num_tops)]  # distinct graph nodes, no copies
-
-
 @register("Eltwise")
 class Eltwise(Layer):
     """Elementwise SUM (with per-bottom coeff), PROD or MAX over equally shaped bottoms.
@@ -280,111 +166,6 @@ class Eltwise(Layer):
         return [top]
 
 
-@register("Flatten")
-class Flatten(Layer):
-    """Merge axes [axis, end_axis] into one. Shapes: (a, b, c, d) -> e.g. (a, b*c*d).
-    Params: flatten_param {axis, end_axis}. Not in place (a view)."""
-
-    exact_bottoms = 1
-    exact_tops = 1
-    in_place_ok = False
-
-    def reshape(self, bottom_shapes):
-        s = tuple(bottom_shapes[0])
-        p = self.param.flatten_param
-        a = canonical_axis(p.axis, len(s), self)
-        e = canonical_axis(p.end_axis, len(s), self)
-        if e < a:
-            raise self.fail(f"end_axis {p.end_axis} comes before axis {p.axis} for shape {s}")
-        return [s[:a] + (count(s, a, e + 1),) + s[e + 1:]]
-
-    def forward(self, bottoms):
-        x = bottoms[0]
-        return [x.reshape(self.reshape([x.shape])[0])]
-
-
-@register("Reshape")
-class Reshape(Layer):
-    """Change the shape, keeping the data. Shapes: see reshape_shape (0 copies, -1 infers).
-    Params: reshape_param {shape, axis, num_axes}. Not in place (a view)."""
-
-    exact_bottoms = 1
-    exact_tops = 1
-    in_place_ok = False
-
-    def reshape(self, bottom_shapes):
-        p = self.param.reshape_param
-        return [reshape_shape(tuple(bottom_shapes[0]), list(p.shape.dim), p.axis, p.num_axes, self)]
-
-    def forward(self, bottoms):
-        x = bottoms[0]
-        return [x.reshape(self.reshape([x.shape])[0])]
-
-
-@register("Crop")
-class Crop(Layer):
-    """Crop bottom 0 to bottom 1's shape on the axes from ``axis`` on.
-    Shapes: (A..., B...) , (_, C...) -> (A..., C...). Params: crop_param {axis, offset: none ->
-    0, one -> for every cropped axis, else one per cropped axis}. Bottom 1 gets no diff."""
-
-    exact_bottoms = 2
-    exact_tops = 1
-
-    def allow_backward(self, bottom_index):
-        return bottom_index == 0
-
-    def reshape(self, bottom_shapes):
-        s, ref = tuple(bottom_shapes[0]), tuple(bottom_shapes[1])
-        if len(s) != len(ref):
-            raise self.fail(f"bottoms must have the same number of axes, got {s} and {ref}")
-        p = self.param.crop_param
-        start = canonical_axis(p.axis, len(s), self)
-        offs = list(p.offset)
-        if len(offs) > 1 and len(offs) != len(s) - start:
-            raise self.fail(f"{len(offs)} offsets for {len(s) - start} cropped axes (shape {s}, "
-                            f"axis {start})")
-        self.slices, top = [], []
-        for i in range(len(s)):
-            if i < start:
-                off, size = 0, s[i]
-            else:
-                off = offs[0] if len(offs) == 1 else offs[i - start] if offs else 0
-                size = ref[i]
-                if s[i] - off < size:
-                    raise self.fail(f"axis {i}: offset {off} + crop size {size} exceeds bottom "
-                                    f"shape {s} (reference shape {ref})")
-            self.slices.append(slice(off, off + size))
-            top.append(size)
-        return [tuple(top)]
-
-    def forward(self, bottoms):
-        self.reshape([bottoms[0].shape, bottoms[1].shape])
-        return [bottoms[0][tuple(self.slices)]]
-
-
-@register("Tile")
-class Tile(Layer):
-    """Repeat the block of axes >= ``axis`` ``tiles`` times along ``axis``.
-    Shapes: (..., d_axis, ...) -> (..., d_axis * tiles, ...). Params: tile_param {axis, tiles}."""
-
-    exact_bottoms = 1
-    exact_tops = 1
-
-    def reshape(self, bottom_shapes):
-        s = tuple(bottom_shapes[0])
-        p = self.param.tile_param
-        if p.tiles <= 0:
-            raise self.fail(f"tile_param.tiles must be positive, got {p.tiles}")
-        self.axis = canonical_axis(p.axis, len(s), self)
-        return [s[:self.axis] + (s[self.axis] * p.tiles,) + s[self.axis + 1:]]
-
-    def forward(self, bottoms):
-        x = bottoms[0]
-        top = self.reshape([x.shape])[0]
-        outer = count(x.shape, 0, self.axis)
-        return [x.reshape(outer, -1).repeat(1, self.param.tile_param.tiles).reshape(top)]
-
-
 @register("Reduction")
 class Reduction(Layer):
     """Reduce all axes >= ``axis`` by SUM, ASUM (sum |x|), SUMSQ or MEAN, times ``coeff``.
@@ -418,74 +199,6 @@ class Reduction(Layer):
             raise self.fail(f"unknown reduction operation {p.operation}")
         y = y if coeff == 1 else y * coeff
         return [y.reshape(tuple(x.shape[:axis]))]
-
-
-@register("Filter")
-class Filter(Layer):
-    """Keep the items (axis 0) whose selector (last bottom, shape (N, 1, ...)) is non-zero.
-    Shapes: (N, ...)..., (N,) -> (n_selected, ...)... ``reshape`` gives Caffe's setup shape
-    (all N); ``forward`` returns the selected rows (a data-dependent shape, as Caffe's
-    per-forward Reshape). No gradient to the selector; unselected rows get diff 0."""
-
-    min_bottoms = 2
-
-    def allow_backward(self, bottom_index):
-        return bottom_index != len(self.param.bottom) - 1
-
-    def reshape(self, bottom_shapes):
-        if self.num_tops != len(bottom_shapes) - 1:
-            raise self.fail(f"needs one top per filtered bottom: {len(bottom_shapes) - 1} "
-                            f"bottoms, {self.num_tops} tops")
-        sel = tuple(bottom_shapes[-1])
-        if len(sel) < 1 or any(d != 1 for d in sel[1:]):
-            raise self.fail(f"selector shape {sel} must be (N,) or (N, 1, ...)")
-        if any(s[0] != sel[0] for s in bottom_shapes[:-1]):
-            raise self.fail(f"bottoms {[tuple(s) for s in bottom_shapes]} must all have the "
-                            f"selector's first dimension {sel[0]}")
-        return [tuple(s) for s in bottom_shapes[:-1]]
-
-    def forward(self, bottoms):
-        keep = torch.nonzero(bottoms[-1].detach().reshape(-1) != 0).reshape(-1)
-        return [x.index_select(0, keep) for x in bottoms[:-1]]
-
-
-@register("BatchReindex")
-class BatchReindex(Layer):
-    """top[i] = bottom[indices[i]] along axis 0 (repeats allowed; backward scatter-adds).
-    Shapes: (N, ...), (M,) -> (M, ...). Params: none. No gradient to the indices."""
-
-    exact_bottoms = 2
-    exact_tops = 1
-
-    def allow_backward(self, bottom_index):
-        return bottom_index == 0
-
-    def reshape(self, bottom_shapes):
-        s, ix = tuple(bottom_shapes[0]), tuple(bottom_shapes[1])
-        if len(ix) != 1:
-            raise self.fail(f"indices must be 1-D, got shape {ix}")
-        return [(ix[0],) + s[1:]]
-
-    def forward(self, bottoms):
-        x, ix = bottoms[0], bottoms[1].detach().long()
-        if ix.numel() and (int(ix.min()) < 0 or int(ix.max()) >= x.shape[0]):
-            raise self.fail(f"index out of range [0, {x.shape[0]}): got values from "
-                            f"{int(ix.min())} to {int(ix.max())}")
-        return [x.index_select(0, ix)]
-
-
-@register("Silence")
-class Silence(Layer):
-    """Consume bottoms, produce nothing (their diffs stay zero). Shapes: any -> no tops."""
-
-    min_bottoms = 1
-    exact_tops = 0
-
-    def reshape(self, bottom_shapes):
-        return []
-
-    def forward(self, bottoms):
-        return []
 
 
 @register("Parameter")
