@@ -1,0 +1,99 @@
+"""pycaffe's view of a Net: numpy arrays in and out, name-keyed dictionaries, layer views.
+
+The torch side (``Net.forward_tensors``/``backward_tensors``, ``layer_list``, ``Blob.tensor``)
+knows nothing of pycaffe's quirks; this mixin alone does.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .blob import ParamBlob
+
+
+class NetError(ValueError):
+    """A net cannot be built or run as asked; the message names the layer, blob and shapes."""
+
+
+class LayerView:
+    """pycaffe's view of a layer: ``type``, ``name`` and ``blobs`` as numpy-backed Blobs."""
+
+    def __init__(self, layer):
+        self.layer, self.type, self.name = layer, layer.type, layer.name
+        self.blobs = [ParamBlob(layer, i) for i in range(len(layer.blobs))]
+
+    def __repr__(self) -> str:
+        return f"<{self.type} layer '{self.name}'>"
+
+
+
+class PycaffeNet:
+    """Mixin for ``Net``: pycaffe's ``forward``/``backward``, ``layers``, ``top_names`` ..."""
+
+    def forward(self, blobs=None, start=None, end=None, **inputs):
+        """pycaffe's ``Net.forward``: feed ``inputs`` (numpy arrays keyed by input blob name),
+        run, and return ``{blob name: numpy array}`` for the outputs (or ``end``'s tops)."""
+        if inputs and set(inputs) != set(self.inputs):
+            raise NetError(f"forward: input arguments {sorted(inputs)} do not match the net's "
+                           f"inputs {self.inputs}")
+        if inputs:
+            for name, value in inputs.items():
+                blob = self.blobs[name]
+                # pycaffe insists on the blob's batch size; reshaping is what a user expects.
+                if tuple(value.shape) != blob.shape:
+                    blob.reshape(*value.shape)
+                blob.data[...] = value
+        self.forward_tensors(start, end)
+        i1 = self._index(end, len(self.layer_list) - 1)
+        outs = self.top_lists[i1] if end is not None else self.outputs
+        return {n: self.blobs[n].data for n in list(outs) + list(blobs or [])}
+
+    def backward(self, diffs=None, start=None, end=None, **top_diffs):
+        """pycaffe's ``Net.backward``: optional output diffs by name; returns input diffs."""
+        allowed = self.outputs if start is None else self.top_lists[self._index(start, 0)]
+        for name, value in top_diffs.items():
+            if name not in allowed:
+                raise NetError(f"backward: '{name}' is not among {allowed}")
+            self.blobs[name].diff[...] = value
+        self.backward_tensors(start, end, blob_diffs=True)
+        outs = self.inputs if end is None else self.bottom_lists[self._index(end, 0)]
+        return {n: self.blobs[n].diff for n in list(outs) + list(diffs or [])}
+
+    @property
+    def layers(self) -> list["LayerView"]:
+        return [LayerView(l) for l in self.layer_list]
+
+    @property
+    def layer_dict(self) -> "OrderedDict[str, LayerView]":
+        return OrderedDict((l.name, LayerView(l)) for l in self.layer_list)
+
+    @property
+    def top_names(self) -> "OrderedDict[str, list[str]]":
+        return OrderedDict((l.name, list(t)) for l, t in zip(self.layer_list, self.top_lists))
+
+    @property
+    def bottom_names(self) -> "OrderedDict[str, list[str]]":
+        return OrderedDict((l.name, list(b)) for l, b in zip(self.layer_list, self.bottom_lists))
+
+    @property
+    def blob_loss_weights(self) -> "OrderedDict[str, float]":
+        return OrderedDict((n, self._loss_weights.get(n, 0.0)) for n in self.blobs)
+
+    @property
+    def _layer_names(self) -> list[str]:
+        return [l.name for l in self.layer_list]
+
+    @property
+    def _blob_names(self) -> list[str]:
+        return list(self.blobs)
+
+    def copy_from(self, path) -> None:
+        """Load weights from a ``.caffemodel`` (binary or legacy V1) or ``.caffemodel.h5``."""
+        from .weights import load_weights
+
+        load_weights(self, path)
+
+    def save(self, path) -> None:
+        """Write the net with its weights as a binary ``.caffemodel`` (atomically)."""
+        from .weights import save_weights
+
+        save_weights(self, path)
