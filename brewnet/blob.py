@@ -107,6 +107,14 @@ class Blob:
         return f"Blob(shape={self.shape})"
 
 
+_param_views = 0
+
+
+def param_views() -> int:
+    """How many numpy views of parameters were handed out (they may have been written)."""
+    return _param_views
+
+
 class ParamBlob(Blob):
     """A layer parameter: ``tensor`` is the layer's leaf tensor, ``diff`` its ``.grad``.
 
@@ -135,6 +143,11 @@ class ParamBlob(Blob):
     @_d.setter
     def _d(self, d):
         self._t.grad = d
+
+    def _view(self, which: str):
+        global _param_views
+        _param_views += 1
+        return super()._view(which)
 
     def reshape(self, *shape) -> None:
         raise ValueError("parameter blobs cannot be reshaped")

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from .blob import Blob, ParamBlob
+from .fusion import Folder
 from .layers import Layer, LayerError, layer_class
 from .passes import filter_net, make_state
 from .proto import caffe_pb2 as pb
@@ -91,6 +92,7 @@ class Net(PycaffeNet):
         self._needs_backward = self.param.force_backward or any(w != 0 for w in self._loss_weights.values())
         self._input_shapes = self._current_input_shapes()
         self._frontiers: dict[tuple[int, int], list] = {}
+        self._folder = Folder(self)
         self._reset_loss_diffs()
         # oneDNN's CPU convolutions and pooling run much faster on NHWC activations
         # (benchmarks/inference.py); CUDA keeps NCHW.
@@ -270,10 +272,20 @@ class Net(PycaffeNet):
                 if grad:
                     self._ran[j] = ([], ts)
         loss = torch.zeros((), device=self.device)
+        chains = {} if grad else self._folder.chains
         with torch.set_grad_enabled(grad):
-            for i in range(i0, i1 + 1):
+            i = i0 - 1
+            while i < i1:
+                i += 1
                 layer = self.layer_list[i]
                 if layer.type == "Input":
+                    continue
+                last = chains.get(i, i1 + 1)
+                if last <= i1:  # Convolution -> BatchNorm -> Scale folded into one convolution
+                    b = self.bottom_lists[i][0]
+                    x = fed[b] if b in fed else self.blobs[b].tensor
+                    self.blobs[self.top_lists[i][0]].tensor = self._folder.run(i, x)
+                    i = last
                     continue
                 bottoms = [fed[b] if b in fed else self.blobs[b].tensor for b in self.bottom_lists[i]]
                 if not all(self._propagate[i]):
