@@ -81,6 +81,23 @@ def single_device(spec: str, command: str):
     return torch.device("cuda", gpus[0])
 
 
+def prefetching_layers(net) -> list:
+    """The net's data layers that fill their batches in a background thread."""
+    from ..data.source import Prefetching
+
+    return [l for l in net.layer_list if isinstance(l, Prefetching) and l.prefetcher is not None]
+
+
+def size_threads(net) -> int:
+    """Size torch's threads together with ``net``'s prefetch threads (on a machine with few
+    cores an OpenMP thread sharing a core with a busy producer stalls every step)."""
+    from ..data.prefetch import plan_threads
+
+    n = plan_threads(len(prefetching_layers(net)))
+    log.info("Using %d torch thread(s)", n)
+    return n
+
+
 @contextlib.contextmanager
 def progress_bar(total: int, initial: int = 0, desc: str = ""):
     """A tqdm bar on stderr when stderr is a terminal (log lines are routed around it), else

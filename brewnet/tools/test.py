@@ -12,7 +12,7 @@ import logging
 
 import numpy as np
 
-from .common import USER_ERRORS, add_gpu_flag, add_net_state_flags, report, single_device, stages
+from .common import USER_ERRORS, add_gpu_flag, add_net_state_flags, report, single_device, size_threads, stages
 
 COMMAND = "test"
 HELP = "score a model: run N test batches and average its outputs (Caffe's 'caffe test')"
@@ -67,6 +67,7 @@ def run(args) -> int:
 
         device = single_device(args.gpu, COMMAND)
         net = Net(args.model, pb.TEST, level=args.level, stages=stages(args.stage), device=device)
+        size_threads(net)
         net.copy_from(args.weights)
         log.info("Running for %d iterations.", args.iterations)
         loss, results = score(net, args.iterations)

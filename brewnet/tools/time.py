@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from .common import USER_ERRORS, add_gpu_flag, add_net_state_flags, report, single_device, stages
+from .common import USER_ERRORS, add_gpu_flag, add_net_state_flags, report, single_device, size_threads, stages
 
 COMMAND = "time"
 HELP = "benchmark a model: average forward/backward time per layer and in total (Caffe's 'caffe time')"
@@ -41,6 +41,7 @@ def run(args) -> int:
         device = single_device(args.gpu, COMMAND)
         phase = pb.TRAIN if args.phase == "TRAIN" else pb.TEST
         net = Net(args.model, phase, level=args.level, stages=stages(args.stage), device=device)
+        size_threads(net)
         log.info("Performing Forward")
         log.info("Initial loss: %g", net.forward_tensors().item())
         log.info("Performing Backward")

@@ -10,9 +10,10 @@ iteration. Logs go to stderr in glog's format; on a terminal a progress bar runs
 from __future__ import annotations
 
 import logging
+import time
 
 from .common import (USER_ERRORS, CLIError, add_gpu_flag, add_net_state_flags, parse_gpus,
-                     progress_bar, report, stages)
+                     prefetching_layers, progress_bar, report, size_threads, stages)
 
 COMMAND = "train"
 HELP = "train or finetune a model from a solver prototxt (Caffe's 'caffe train')"
@@ -38,7 +39,8 @@ def add_arguments(p) -> None:
 def _solver_param(args):
     """The solver file with the command line's overrides, its net paths made absolute so the
     message can be built from anywhere (the Solver resolves them as it does for files)."""
-    from ..solvers.base import _resolve, load_solver_param
+    from ..solvers import load_solver_param
+    from ..solvers.nets import resolve
 
     param, path = load_solver_param(args.solver)
     param.train_state.level = args.level
@@ -49,9 +51,9 @@ def _solver_param(args):
         param.weights.append(args.weights)
     for f in ("net", "train_net"):
         if param.HasField(f):
-            setattr(param, f, str(_resolve(getattr(param, f), path, "net").resolve()))
+            setattr(param, f, str(resolve(getattr(param, f), path, "net").resolve()))
     for k, name in enumerate(param.test_net):
-        param.test_net[k] = str(_resolve(name, path, "test net").resolve())
+        param.test_net[k] = str(resolve(name, path, "test net").resolve())
     return param
 
 
@@ -90,6 +92,7 @@ def run(args) -> int:
         for w in param.weights:
             log.info("Finetuning from %s", w)
         solver = get_solver(param, device=device)
+        size_threads(solver.net)
         if args.snapshot:
             log.info("Resuming from %s", args.snapshot)
         log.info("Starting Optimization")
@@ -99,9 +102,14 @@ def run(args) -> int:
                     bar.update(s.iter + 1 - bar.n)
                     bar.set_postfix(loss=f"{float(s.loss):.4g}", refresh=False)
                 solver.add_callback(on_gradients=advance)
+            t0 = time.perf_counter()
             solver.solve(resume_file=args.snapshot or None, sigint_effect=args.sigint_effect,
                          sighup_effect=args.sighup_effect)
     except USER_ERRORS as e:
         return report(COMMAND, e)
+    wall = time.perf_counter() - t0
+    wait = sum(l.data_wait_s for l in prefetching_layers(solver.net))
+    if wait or prefetching_layers(solver.net):
+        log.info("Waited %.3g s for training data: %.1f%% of %.4g s", wait, 100 * wait / (wall or 1), wall)
     log.info("Optimization Done.")
     return 0
