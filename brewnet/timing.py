@@ -11,7 +11,8 @@ gradient, and a bottom's gradient only where it reaches a learnable parameter or
 other tops with zeros (Caffe backpropagates whatever diff they hold), so a deploy net without a
 loss is still timed as it would train. Whole-net autograd (the solver's path) can overlap or
 fuse some of this work, so the sum of the layers can differ a little from one real step.
-On CUDA the device is synchronised around every layer, as Caffe's timer events do.
+This is the training path: no inference-only shortcut (BatchNorm folding) is taken. On CUDA the
+device is synchronised around every layer, as Caffe's timer events do.
 """
 from __future__ import annotations
 
@@ -55,15 +56,22 @@ def _needs_grad(net) -> dict[str, bool]:
     return need
 
 
-def _forward_layer(net, i: int, need: dict):
+def _forward_layer(net, i: int, need: dict, fed: dict):
     """Run layer ``i`` on detached bottoms (leaves where a gradient is wanted); stores its tops
-    in the net's blobs and returns (bottoms, tops), or None for an Input layer."""
+    in the net's blobs and returns (bottoms, tops), or None for an Input layer. As in the Net's
+    own forward, a CPU conv net feeds its 4-D inputs to the layers in channels_last (that
+    conversion is the Input layer's time); ``fed`` holds them for the pass."""
     layer = net.layer_list[i]
     if layer.type == "Input":
+        if getattr(net, "_channels_last", False):
+            for n in net.top_lists[i]:
+                t = net.blobs[n].tensor
+                if t.dim() == 4:
+                    fed[n] = t.contiguous(memory_format=torch.channels_last)
         return None
     bottoms = []
     for b, pr in zip(net.bottom_lists[i], net._propagate[i]):
-        x = net.blobs[b].tensor.detach()
+        x = (fed[b] if b in fed else net.blobs[b].tensor).detach()
         if pr and need.get(b, False) and x.is_floating_point():
             x.requires_grad_(True)
         bottoms.append(x)
@@ -114,7 +122,8 @@ def layerwise_gradients(net) -> tuple[dict, dict]:
     ({blob name: diff of its first value}, {(layer name, j): param gradient}) so the timed work
     can be checked against the net's own backward."""
     need, weights = _needs_grad(net), net.blob_loss_weights
-    graphs = [_forward_layer(net, i, need) for i in range(len(net.layer_list))]
+    fed: dict = {}
+    graphs = [_forward_layer(net, i, need, fed) for i in range(len(net.layer_list))]
     diffs, seen, param_grads = {}, {}, {}
     for i in reversed(range(len(graphs))):
         _backward_layer(net, i, graphs[i], diffs, weights, param_grads)
@@ -136,10 +145,10 @@ def time_net(net, iterations: int, on_iteration=None, warmup: int = 1) -> Timing
     total0 = time.perf_counter()
     for j in range(iterations):
         it0 = time.perf_counter()
-        graphs = []
+        graphs, fed = [], {}
         for i in range(n):
             t0 = time.perf_counter()
-            graphs.append(_forward_layer(net, i, need))
+            graphs.append(_forward_layer(net, i, need, fed))
             _sync(device)
             timing.forward_ms[i] += (time.perf_counter() - t0) * 1e3
         timing.forward_total_ms += (time.perf_counter() - it0) * 1e3

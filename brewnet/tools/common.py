@@ -90,10 +90,18 @@ def prefetching_layers(net) -> list:
 
 def size_threads(net) -> int:
     """Size torch's threads together with ``net``'s prefetch threads (on a machine with few
-    cores an OpenMP thread sharing a core with a busy producer stalls every step)."""
+    cores an OpenMP thread sharing a core with a busy producer stalls every step). An explicit
+    ``OMP_NUM_THREADS`` wins."""
+    import os
+
+    import torch
+
     from ..data.prefetch import plan_threads
 
-    n = plan_threads(len(prefetching_layers(net)))
+    if os.environ.get("OMP_NUM_THREADS", "").strip():
+        n = torch.get_num_threads()
+    else:
+        n = plan_threads(len(prefetching_layers(net)))
     log.info("Using %d torch thread(s)", n)
     return n
 
