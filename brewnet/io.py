@@ -7,10 +7,10 @@ bilinear for ``interp_order=1`` but without skimage's anti-aliasing when shrinki
 """
 from __future__ import annotations
 
-import cv2
 import numpy as np
 
 from .proto import caffe_pb2
+from .data.transform import cv
 from .proto.io import array_to_blob
 
 __all__ = ["blobproto_to_array", "array_to_blobproto", "arraylist_to_blobprotovector_str",
@@ -181,7 +181,7 @@ _GRAY = np.array([0.2125, 0.7154, 0.0721])   # scikit-image's rgb2gray weights (
 def load_image(filename, color: bool = True) -> np.ndarray:
     """An image file as float32 in [0, 1]: (H, W, 3) RGB, or (H, W, 1) intensity when
     ``color`` is False (colour files are converted with scikit-image's luminance weights)."""
-    raw = cv2.imread(str(filename), cv2.IMREAD_UNCHANGED)
+    raw = cv().imread(str(filename), cv().IMREAD_UNCHANGED)
     if raw is None:
         raise IOError(f"could not open or decode image file {filename}")
     img = raw.astype(np.float64) / np.iinfo(raw.dtype).max if raw.dtype.kind == "u" else raw.astype(np.float64)
@@ -196,7 +196,7 @@ def load_image(filename, color: bool = True) -> np.ndarray:
     return np.ascontiguousarray(img, dtype=np.float32)
 
 
-_INTERP = {0: cv2.INTER_NEAREST, 1: cv2.INTER_LINEAR, 2: cv2.INTER_CUBIC, 3: cv2.INTER_CUBIC}
+_INTERP = {0: "INTER_NEAREST", 1: "INTER_LINEAR", 2: "INTER_CUBIC", 3: "INTER_CUBIC"}
 
 
 def resize_image(im, new_dims, interp_order: int = 1) -> np.ndarray:
@@ -211,7 +211,8 @@ def resize_image(im, new_dims, interp_order: int = 1) -> np.ndarray:
         return np.full((h, w, im.shape[-1]), im_min, dtype=np.float32)
     src = im.astype(np.float32)
     # OpenCV handles at most 512 channels per call.
-    parts = [cv2.resize(src[:, :, k:k + 512], (w, h), interpolation=_INTERP[interp_order])
+    interp = getattr(cv(), _INTERP[interp_order])
+    parts = [cv().resize(src[:, :, k:k + 512], (w, h), interpolation=interp)
              for k in range(0, im.shape[-1], 512)]
     parts = [p[:, :, np.newaxis] if p.ndim == 2 else p for p in parts]
     return np.concatenate(parts, axis=2).astype(np.float32)

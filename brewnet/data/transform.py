@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 
-import cv2
 import numpy as np
 import torch
 
@@ -26,9 +25,17 @@ class TransformError(ValueError):
 
 # ------------------------------------------------------------------------------- decoding
 
+def cv():
+    """OpenCV, imported on first use (it costs ~0.1 s; ``import brewnet`` need not pay it)."""
+    import cv2
+
+    return cv2
+
+
 def decode_image(buf, color: bool | None = None) -> np.ndarray:
     """Decode JPEG/PNG/... bytes as OpenCV does: ``color`` True -> (H, W, 3) BGR, False ->
     (H, W) gray, None -> as stored (Caffe's ``DecodeDatumToCVMatNative``). None on failure."""
+    cv2 = cv()
     flag = {True: cv2.IMREAD_COLOR, False: cv2.IMREAD_GRAYSCALE, None: cv2.IMREAD_UNCHANGED}[color]
     arr = np.frombuffer(buf, np.uint8)
     return cv2.imdecode(arr, flag) if arr.size else None
@@ -46,7 +53,7 @@ def read_image(path, height: int = 0, width: int = 0, color: bool = True) -> np.
     if img is None:
         raise OSError(f"could not decode image file {path} ({raw.size} bytes)")
     if height > 0 and width > 0:
-        img = cv2.resize(img, (width, height), interpolation=cv2.INTER_LINEAR)
+        img = cv().resize(img, (width, height), interpolation=cv().INTER_LINEAR)
     return img
 
 
@@ -93,7 +100,7 @@ def chw_to_datum(img: np.ndarray, label: int | None = None) -> "pb.Datum":
 
 def encode_image(img_hwc: np.ndarray, ext: str) -> bytes:
     """``cv::imencode`` of an OpenCV image with the extension's format ('jpg', 'png', ...)."""
-    ok, buf = cv2.imencode("." + ext.lstrip("."), img_hwc)
+    ok, buf = cv().imencode("." + ext.lstrip("."), img_hwc)
     if not ok:
         raise ValueError(f"OpenCV cannot encode an image as '{ext}'")
     return buf.tobytes()

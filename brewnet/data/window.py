@@ -18,12 +18,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import cv2
 import numpy as np
 
 from ..layers.base import LayerError, register
 from .source import Loader, Prefetching
-from .transform import _seed_rng, decode_image, read_image
+from .transform import _seed_rng, cv, decode_image, read_image
 
 log = logging.getLogger("brewnet")
 f32 = np.float32
@@ -138,7 +137,7 @@ class _WindowLoader(Loader):
                           f"{self.images[window[0]][0]}")
         if size_w <= 0 or size_h <= 0:
             return
-        warped = cv2.resize(img[y1:y2 + 1, x1:x2 + 1], (size_w, size_h), interpolation=cv2.INTER_LINEAR)
+        warped = cv().resize(img[y1:y2 + 1, x1:x2 + 1], (size_w, size_h), interpolation=cv().INTER_LINEAR)
         if warped.ndim == 2:
             warped = warped[:, :, None]
         if do_mirror:
