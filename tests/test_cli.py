@@ -21,7 +21,7 @@ from brewnet.logparse import parse_log
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import blob_to_array, read_binary, read_net, write_text
 
-from helpers import MODELS
+from helpers import GOLDEN, MODELS
 
 REPO = Path(__file__).resolve().parents[1]
 LENET_DEPLOY = MODELS / "bvlc" / "examples" / "mnist" / "lenet.prototxt"
@@ -250,8 +250,6 @@ def test_test_command_on_mnist_matches_caffe(tmp_path, capsys):
     Caffe's logits for the same images and weights (golden lenet_mnist.npz)."""
     import h5py
 
-    from helpers import GOLDEN
-
     z = np.load(GOLDEN / "models" / "lenet_mnist.npz")
     with h5py.File(tmp_path / "mnist.h5", "w") as f:
         f["data"] = z["input"]
@@ -407,7 +405,7 @@ def test_train_sigint_stops_with_a_snapshot(tiny):
     assert 3 < stopped < 100000
 
 
-FASHION_LMDB = Path(__file__).resolve().parents[2] / "shared" / "golden" / "lmdb" / "fashion_mnist_test_lmdb"
+FASHION_LMDB = GOLDEN / "lmdb" / "fashion_mnist_test_lmdb"
 
 
 @pytest.mark.skipif("Data" not in LAYERS, reason="the LMDB Data layer has not landed yet")
