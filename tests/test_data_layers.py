@@ -164,7 +164,7 @@ def test_data_layer_wraps_and_prefetch_off_is_identical():
         la, lb = a.forward()["label"], b.forward()["label"]
         np.testing.assert_array_equal(la, lb)
         np.testing.assert_array_equal(la, np.take(ref, np.arange(3000 * k, 3000 * (k + 1)) % 10000))
-    assert a.layer_list[0].data_wait_s >= 0 and b.layer_list[0].data_wait_s > 0
+    assert b.layer_list[0].data_wait_s > 0      # prefetch 0: the loading happens in forward
 
 
 def test_data_layer_centre_crop_at_test_and_rand_skip():
@@ -235,12 +235,21 @@ def test_window_data_samples_and_warps(tmp_path):
         assert np.all(data[6:, c] == v * 0.5)
 
 
-def test_window_data_context_pad_keeps_outside_zero(tmp_path):
-    layer, _ = _window_setup(tmp_path, "context_pad: 2 crop_mode: 'square'")
-    data = layer.forward([])[0].numpy()
-    fg = data[6:]
-    # The grown box spans 14x14 around the object; warped to 10x10 the object fills the middle.
-    assert np.all(fg[:, 0, 4:6, 4:6] == 10) and np.all(fg[:, :, 0, 0] == 0)
+def test_window_data_context_pad_outside_the_image_stays_zero(tmp_path):
+    img = np.full((40, 60, 3), 50, np.uint8)
+    img[0:10, 0:10] = (10, 20, 30)            # the object in the top-left corner
+    cv2.imwrite(str(tmp_path / "corner.png"), img)
+    (tmp_path / "w.txt").write_text("# 0\ncorner.png\n3\n40\n60\n2\n1 0.9 0 0 9 9\n0 0.0 30 20 39 29\n")
+    layer, _ = make_layer(
+        f'name: "w" type: "WindowData" top: "data" top: "label" window_data_param {{ '
+        f'source: "{tmp_path}/w.txt" root_folder: "{tmp_path}/" batch_size: 4 fg_fraction: 0.5 '
+        f'context_pad: 2 }} transform_param {{ crop_size: 10 }}', [], pb.TRAIN)
+    fg = layer.forward([])[0].numpy()[2:]
+    # Grown by 10/6 around the box: x, y in [-3, 13]; warped by 10/17, the 3 pixels beyond the
+    # image become round(3 * 10/17) = 2 rows and columns of zeros, the rest is image.
+    assert np.all(fg[:, :, :2, :] == 0) and np.all(fg[:, :, :, :2] == 0)
+    assert np.all(fg[:, :, 2:, 2:] > 0)
+    np.testing.assert_array_equal(fg[:, :, 2, 2], [[10, 20, 30]] * 2)
 
 
 def test_window_data_errors(tmp_path):
@@ -251,3 +260,53 @@ def test_window_data_errors(tmp_path):
         make_layer(p, [])
     with pytest.raises(LayerError, match="crop_size must be positive"):
         make_layer(p.replace("crop_size: 8", "mirror: true"), [])
+
+
+# -- prefetch ----------------------------------------------------------------------------------
+def test_prefetcher_bounded_ordered_and_reraises():
+    import threading
+    import time
+
+    from brewnet.data.prefetch import Prefetcher
+
+    made = []
+
+    def make():
+        made.append(len(made))
+        if len(made) == 8:
+            raise KeyError("record 7")
+        return made[-1]
+
+    p = Prefetcher(make, depth=2)
+    assert p.get() == 0
+    time.sleep(0.3)                       # the producer fills the queue and then blocks
+    assert len(made) <= 1 + 2 + 1
+    assert [p.get() for _ in range(6)] == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(KeyError, match="record 7"):
+        p.get()
+    assert p.batches >= 7 and p.wait_s > 0
+    assert not any(t.name == "brewnet-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_prefetch_thread_stops_when_net_is_dropped():
+    import gc
+    import threading
+
+    net = data_net(batch=2)
+    net.forward()
+    thread = next(t for t in threading.enumerate() if t.name == "brewnet-mnist")
+    del net
+    gc.collect()
+    thread.join(2)
+    assert not thread.is_alive()
+
+
+def test_plan_threads(monkeypatch):
+    from brewnet.data import prefetch
+
+    monkeypatch.setattr(prefetch, "usable_cores", lambda: 2)
+    assert prefetch.plan_threads(1, apply=False) == 1
+    monkeypatch.setattr(prefetch, "usable_cores", lambda: 16)
+    assert prefetch.plan_threads(1, apply=False) == 16
+    monkeypatch.setattr(prefetch, "usable_cores", lambda: 1)
+    assert prefetch.plan_threads(1, apply=False) == 1

@@ -2,7 +2,6 @@
 serves them from a background Prefetcher and moves them to the net's device and dtype."""
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -11,8 +10,6 @@ from ..layers.data import _Source
 from .db import DBError
 from .prefetch import Prefetcher
 from .transform import TransformError
-
-log = logging.getLogger("brewnet")
 
 
 class Loader:

@@ -15,7 +15,6 @@ background (label 0); the rest are dropped.
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,6 @@ from ..layers.base import LayerError, register
 from .source import Loader, Prefetching
 from .transform import _seed_rng, cv, decode_image, read_image
 
-log = logging.getLogger("brewnet")
 f32 = np.float32
 
 
