@@ -8,6 +8,7 @@ as needed. Records are raw bytes; ``decode_datum`` parses a serialized ``Datum``
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -16,6 +17,8 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from ..proto import caffe_pb2 as pb
+
+log = logging.getLogger("brewnet")
 
 LEVELDB_HELP = ("LevelDB support needs the 'plyvel' package: pip install plyvel "
                 "(or pip install brewnet[leveldb]); or convert the data to LMDB, the default")
@@ -56,7 +59,11 @@ def open_db(path, backend=None) -> "LMDB | LevelDB":
     path = os.fspath(path)
     if not os.path.exists(path):
         raise DBError(f"{path}: no such database (expected an LMDB directory holding data.mdb)")
-    found = detect_backend(path) or _backend_name(backend)
+    declared, found = _backend_name(backend), detect_backend(path)
+    if declared and found and declared != found:
+        log.warning("%s holds a %s database; reading it as such (the layer declares %s)",
+                    path, found, declared)
+    found = found or declared
     if found is None:
         raise DBError(f"{path}: not an LMDB or LevelDB database (no data.mdb, no CURRENT file)")
     db = LMDB(path) if found == "lmdb" else LevelDB(path)
