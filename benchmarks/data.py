@@ -32,7 +32,7 @@ MNIST = MODELS / "trained" / "mnist_t10k" / "data" / "mnist"
 import brewnet  # noqa: E402
 from brewnet.data.convert import compute_mean, convert_imageset, convert_mnist  # noqa: E402
 from brewnet.data.db import open_writer  # noqa: E402
-from brewnet.data.prefetch import plan_threads, usable_cores  # noqa: E402
+from brewnet.data.prefetch import data_busy, plan_threads, usable_cores  # noqa: E402
 from brewnet.proto import caffe_pb2 as pb  # noqa: E402
 from brewnet.proto.io import read_net, read_solver  # noqa: E402
 from brewnet.solvers import SGDSolver  # noqa: E402
@@ -112,13 +112,21 @@ def solver_for(solver_file, net_file, sources: dict, mean=None) -> SGDSolver:
 
 
 def train_share(name, make, iters: int, configs, rounds: int = 3) -> None:
-    """Interleaved rounds (the machine is shared and noisy): median ms/iter, total wait share."""
+    """Interleaved rounds (the machine is shared and noisy): median ms/iter, total wait share.
+    ``threads`` None: planned from the producer's measured load over 20 warm-up iterations."""
     runs = []
     for label, threads, prefetch in configs:
         solver = make()
         layer = next(l for l in solver.net.layer_list if l.type == "Data")
         if prefetch == 0:
             layer.prefetcher = None
+        if threads is None:
+            torch.set_num_threads(usable_cores())
+            t0 = time.perf_counter()
+            solver.step(20)
+            busy = data_busy([solver.net], time.perf_counter() - t0)
+            threads = plan_threads(busy, apply=False)
+            label += f" (busy {busy:.2f})"
         runs.append((label, threads, solver, layer, [], []))
     for _ in range(rounds):
         for label, threads, solver, layer, times, waits in runs:
@@ -149,8 +157,8 @@ def main() -> None:
         rates(data)
         if args.skip_train:
             return
-        planned = plan_threads(1, apply=False)
-        configs = [(f"prefetch 4, torch threads planned", planned, 4),
+        configs = [("prefetch 4, planned", None, 4),
+                   ("prefetch 4, 1 torch thread", 1, 4),
                    ("prefetch 4, torch threads = cores", cores, 4),
                    ("prefetch 0 (load in forward)", cores, 0)]
         print(f"\nTraining from LMDB on {cores} cores: wait = Data forward blocked on the queue")

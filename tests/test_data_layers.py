@@ -305,8 +305,13 @@ def test_plan_threads(monkeypatch):
     from brewnet.data import prefetch
 
     monkeypatch.setattr(prefetch, "usable_cores", lambda: 2)
-    assert prefetch.plan_threads(1, apply=False) == 1
+    assert prefetch.plan_threads(0.05, apply=False) == 2      # light producer: share the cores
+    assert prefetch.plan_threads(0.6, apply=False) == 1       # busy producer: a core of its own
     monkeypatch.setattr(prefetch, "usable_cores", lambda: 16)
-    assert prefetch.plan_threads(1, apply=False) == 16
+    assert prefetch.plan_threads(2.5, apply=False) == 13
     monkeypatch.setattr(prefetch, "usable_cores", lambda: 1)
     assert prefetch.plan_threads(1, apply=False) == 1
+    net = data_net(batch=500)
+    for _ in range(3):
+        net.forward()
+    assert 0 < prefetch.data_busy([net], 1.0) < 1.0

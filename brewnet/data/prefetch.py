@@ -8,10 +8,12 @@ can be ``non_blocking``.
 
 Cores: torch's OpenMP threads stall badly when another busy thread takes one of their cores
 (a LeNet step went from 13 ms to 220 ms on a 2-core machine). ``plan_threads`` sizes torch's
-intra-op threads and the data threads together; the training tools call it.
+intra-op threads from what the producers actually use (``data_busy``, measured over the
+first iterations); the training tools call it.
 """
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -30,12 +32,25 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def plan_threads(data_threads: int = 1, apply: bool = True) -> int:
-    """Torch intra-op threads that leave ``data_threads`` cores to the data producers:
-    all cores on a big machine, cores - data_threads (at least 1) when cores are few.
-    Sets ``torch.set_num_threads`` when ``apply``; returns the number."""
+def data_busy(nets, wall_s: float) -> float:
+    """Cores the nets' prefetch threads kept busy over ``wall_s`` seconds of running them:
+    the producers' busy time (``Prefetcher.produce_s``) / wall time."""
+    busy = sum(l.prefetcher.produce_s for n in nets for l in n.layer_list
+               if getattr(l, "prefetcher", None) is not None)
+    return busy / wall_s if wall_s > 0 else 0.0
+
+
+def plan_threads(data_busy: float = 1.0, apply: bool = True) -> int:
+    """Torch intra-op threads next to data producers that keep ``data_busy`` cores busy.
+
+    A light producer (under a quarter of a core: raw LMDB records) shares the cores with
+    torch; a heavier one (JPEG decoding) gets whole cores of its own, since an OpenMP team
+    that loses a core to a busy thread stalls at every barrier. Sets torch.set_num_threads
+    when ``apply``; returns the number.
+    """
     cores = usable_cores()
-    n = cores if cores > 4 * max(data_threads, 1) else max(1, cores - data_threads)
+    reserve = 0 if data_busy < 0.25 else math.ceil(data_busy)
+    n = max(1, cores - reserve)
     if apply and torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
