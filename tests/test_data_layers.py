@@ -292,9 +292,10 @@ def test_prefetch_thread_stops_when_net_is_dropped():
     import gc
     import threading
 
+    before = set(threading.enumerate())
     net = data_net(batch=2)
     net.forward()
-    thread = next(t for t in threading.enumerate() if t.name == "brewnet-mnist")
+    (thread,) = [t for t in threading.enumerate() if t not in before and t.name == "brewnet-mnist"]
     del net
     gc.collect()
     thread.join(2)
