@@ -58,6 +58,13 @@ class PycaffeNet:
         outs = self.inputs if end is None else self.bottom_lists[self._index(end, 0)]
         return {n: self.blobs[n].diff for n in list(outs) + list(diffs or [])}
 
+    def set_input_arrays(self, data, labels) -> None:
+        """Feed a MemoryData first layer (pycaffe's rule) from numpy arrays."""
+        first = self.layer_list[0] if self.layer_list else None
+        if first is None or first.type != "MemoryData":
+            raise NetError("set_input_arrays needs a MemoryData layer as the first layer")
+        first.set_input_arrays(data, labels)
+
     @property
     def layers(self) -> list["LayerView"]:
         return [LayerView(l) for l in self.layer_list]

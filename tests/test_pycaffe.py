@@ -107,3 +107,17 @@ def test_mode_switches_and_layer_list():
     caffe.set_mode_cpu()
     assert net.forward(data=images(64))["prob"].shape == (64, 10)
     assert {"Convolution", "Pooling", "LSTM", "PriorBox"} <= set(caffe.layer_type_list())
+
+
+def test_set_input_arrays_feeds_memory_data():
+    net = caffe.Net("""
+      layer { name: "mem" type: "MemoryData" top: "data" top: "label"
+              memory_data_param { batch_size: 2 channels: 1 height: 2 width: 2 } }
+      layer { name: "s" type: "Reduction" bottom: "data" top: "s" reduction_param { axis: 1 } }""", caffe.TEST)
+    x = np.arange(16, dtype=np.float32).reshape(4, 1, 2, 2)
+    net.set_input_arrays(x, np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(net.forward()["s"], x[:2].reshape(2, -1).sum(1))
+    np.testing.assert_array_equal(net.forward()["s"], x[2:].reshape(2, -1).sum(1))
+    np.testing.assert_array_equal(net.blobs["label"].data, [2, 3])
+    with pytest.raises(ValueError, match="MemoryData"):
+        caffe.Net(PROTO, caffe.TEST).set_input_arrays(x, np.zeros(4, np.float32))
