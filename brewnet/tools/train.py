@@ -13,7 +13,8 @@ import logging
 import time
 
 from .common import (USER_ERRORS, CLIError, add_gpu_flag, add_net_state_flags, parse_gpus,
-                     prefetching_layers, progress_bar, report, size_threads, stages)
+                     prefetching_layers, progress_bar, report, resize_threads_after, size_threads,
+                     stages)
 
 COMMAND = "train"
 HELP = "train or finetune a model from a solver prototxt (Caffe's 'caffe train')"
@@ -93,6 +94,7 @@ def run(args) -> int:
             log.info("Finetuning from %s", w)
         solver = get_solver(param, device=device)
         size_threads(solver.net)
+        resize_threads_after(solver)
         if args.snapshot:
             log.info("Resuming from %s", args.snapshot)
         log.info("Starting Optimization")
