@@ -1,15 +1,18 @@
 """brewnet: Caffe, reborn as a Python toolkit on PyTorch.
 
 ``import brewnet as caffe`` gives pycaffe's surface: ``caffe.Net(prototxt, caffe.TEST,
-weights=...)``, ``caffe.set_mode_gpu()``, ``caffe.TRAIN``/``caffe.TEST`` ...
+weights=...)``, ``caffe.SGDSolver(path)``, ``caffe.set_mode_gpu()``, ``caffe.io`` ...
 """
 __version__ = "0.1.0"
 
-from .proto import caffe_pb2  # noqa: E402
-from .proto.caffe_pb2 import TEST, TRAIN  # noqa: E402
+from . import io  # noqa: E402  (pycaffe's caffe.io)
+from .layers import LAYERS as _LAYERS  # noqa: E402
 from .mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed  # noqa: E402
 from .net import Net, NetError  # noqa: E402
-from .layers import LAYERS as _LAYERS  # noqa: E402
+from .proto import caffe_pb2  # noqa: E402
+from .proto.caffe_pb2 import TEST, TRAIN  # noqa: E402
+from .solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,  # noqa: E402
+                      RMSPropSolver, SGDSolver, get_solver)
 
 
 def layer_type_list() -> list[str]:
@@ -17,15 +20,7 @@ def layer_type_list() -> list[str]:
     return sorted(_LAYERS)
 
 
-__all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "set_mode_cpu", "set_mode_gpu",
-           "set_device", "set_random_seed", "layer_type_list", "__version__"]
-
-from .solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,  # noqa: E402
-                      RMSPropSolver, SGDSolver, get_solver)
-
-__all__ += ["SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver",
-            "AdamSolver", "get_solver"]
-
-from . import io  # noqa: E402  (pycaffe's caffe.io)
-
-__all__ += ["io"]
+__all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu", "set_mode_gpu",
+           "set_device", "set_random_seed", "layer_type_list", "SGDSolver", "NesterovSolver",
+           "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
+           "__version__"]
