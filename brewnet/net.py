@@ -126,6 +126,8 @@ class Net(PycaffeNet):
         except (LayerError, NetError):
             raise
         except Exception as e:  # a layer bug or an unexpected param: name the layer at least
+            if not layer.wrap_errors:
+                raise
             raise NetError(f"Layer '{lp.name}' (type {lp.type}) failed to set up for bottom shapes "
                            f"{[self._shapes[b] for b in bottoms]}: {e}") from e
         self.layer_list.append(layer)

@@ -58,6 +58,48 @@ class PycaffeNet:
         outs = self.inputs if end is None else self.bottom_lists[self._index(end, 0)]
         return {n: self.blobs[n].diff for n in list(outs) + list(diffs or [])}
 
+    def forward_all(self, blobs=None, **inputs):
+        """pycaffe's ``forward_all``: any number of items, run batch by batch (the last one
+        padded), outputs concatenated with the padding stripped."""
+        import numpy as np
+
+        outs = {n: [] for n in list(self.outputs) + list(blobs or [])}
+        if not inputs:
+            return {n: v for n, v in self.forward(blobs).items()}
+        total = len(next(iter(inputs.values())))
+        batch = self.blobs[self.inputs[0]].shape[0]
+        for i in range(0, total, batch):
+            chunk = {}
+            for name, arr in inputs.items():
+                part = np.asarray(arr[i:i + batch])
+                if len(part) < batch:
+                    part = np.concatenate([part, np.zeros((batch - len(part),) + part.shape[1:], part.dtype)])
+                chunk[name] = part
+            for name, value in self.forward(blobs, **chunk).items():
+                outs[name].append(value[:min(batch, total - i)].copy())
+        return {n: np.concatenate(v) for n, v in outs.items()}
+
+    def share_with(self, other) -> None:
+        """Use ``other``'s parameter tensors in the layers both nets name (pycaffe's
+        ``share_with``; a solver's test nets share the train net's weights this way)."""
+        for layer in self.layer_list:
+            src = other.layer_by_name.get(layer.name)
+            if src is None or not layer.blobs:
+                continue
+            if [tuple(b.shape) for b in src.blobs] != [tuple(b.shape) for b in layer.blobs]:
+                raise NetError(f"share_with: layer '{layer.name}' has param shapes "
+                               f"{[tuple(b.shape) for b in layer.blobs]} here and "
+                               f"{[tuple(b.shape) for b in src.blobs]} in the other net")
+            layer.blobs = list(src.blobs)
+
+    def save_hdf5(self, path) -> None:
+        from .weights import save_weights_h5
+
+        save_weights_h5(self, path)
+
+    def load_hdf5(self, path) -> None:
+        self.copy_from(path)
+
     def set_input_arrays(self, data, labels) -> None:
         """Feed a MemoryData first layer (pycaffe's rule) from numpy arrays."""
         first = self.layer_list[0] if self.layer_list else None

@@ -62,6 +62,8 @@ class Layer:
     is_loss: ClassVar[bool] = False
     # Layers whose top may be the same blob as their bottom without copying (ReLU, BatchNorm...).
     in_place_ok: ClassVar[bool] = True
+    # The Net names the layer in any setup error; user code (Python layers) raises as it is.
+    wrap_errors: ClassVar[bool] = True
 
     def __init__(self, param, phase: int):
         self.param = param            # caffe_pb2.LayerParameter

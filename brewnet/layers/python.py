@@ -1,0 +1,117 @@
+"""Python layers: user classes written for pycaffe, run inside a brewnet Net.
+
+A prototxt names ``python_param { module: "m" layer: "Cls" param_str: "..." }``; ``m`` is
+imported (from ``sys.path``, as Caffe relies on ``PYTHONPATH``) and ``Cls(layer_param)`` is made,
+with ``param_str`` and ``phase`` set before its ``setup(bottom, top)``. Then, as in Caffe:
+``reshape(bottom, top)`` and ``forward(bottom, top)`` each forward, ``backward(top,
+propagate_down, bottom)`` for gradients, on pycaffe Blobs (numpy ``data``/``diff``).
+``self.blobs.add_blob(*shape)`` creates parameters that the net saves, loads and trains.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ..blob import Blob, ParamBlob
+from .base import Layer as _Layer
+from .base import register
+
+
+class BlobVec(list):
+    """pycaffe's ``layer.blobs``: a list of Blobs with ``add_blob(*shape)``."""
+
+    def __init__(self, owner: "PythonLayer"):
+        super().__init__()
+        self._owner = owner
+
+    def add_blob(self, *shape) -> None:
+        self._owner.blobs.append(torch.zeros(tuple(int(d) for d in shape)).requires_grad_(True))
+        self.append(ParamBlob(self._owner, len(self._owner.blobs) - 1))
+
+
+class Layer:
+    """pycaffe's ``caffe.Layer``: subclass it and define setup/reshape/forward/backward."""
+
+    def __init__(self, param=None):
+        self.param = param
+        self.blobs = BlobVec(None)
+        self.param_str, self.phase = "", 0
+
+    def setup(self, bottom, top):
+        pass
+
+    def reshape(self, bottom, top):
+        pass
+
+    def forward(self, bottom, top):
+        pass
+
+    def backward(self, top, propagate_down, bottom):
+        pass
+
+
+def _blobs(tensors) -> list[Blob]:
+    # pycaffe code works on numpy arrays: hand it CPU float32 copies it may not alias.
+    return [Blob(t.detach().to("cpu", torch.float32).clone()) for t in tensors]
+
+
+class _Run(torch.autograd.Function):
+    """Forward and backward through the user's object, with Caffe's diff plumbing."""
+
+    @staticmethod
+    def forward(ctx, layer, n_tops, *bottoms):
+        bottom = _blobs(bottoms)
+        top = [Blob(torch.zeros(0)) for _ in range(n_tops)]
+        layer.user.reshape(bottom, top)
+        layer.user.forward(bottom, top)
+        ctx.layer, ctx.bottom, ctx.top = layer, bottom, top
+        ctx.like = [(b.dtype, b.device) for b in bottoms]
+        return tuple(t.tensor.detach().clone().to(bottoms[0].device if bottoms else "cpu") for t in top)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for blob, g in zip(ctx.top, grads):
+            blob.diff_tensor = g.detach().to("cpu", torch.float32).reshape(blob.shape).clone()
+        for b in ctx.bottom:
+            b.diff_tensor = torch.zeros(b.shape)
+        need = list(ctx.needs_input_grad[2:])
+        ctx.layer.user.backward(ctx.top, need, ctx.bottom)
+        outs = [b.diff_tensor.to(dtype=dt, device=dev) if n else None
+                for b, n, (dt, dev) in zip(ctx.bottom, need, ctx.like)]
+        return (None, None, *outs)
+
+
+@register("Python")
+class PythonLayer(_Layer):
+    """A layer whose math is a user's pycaffe class (``python_param``: module, layer, param_str).
+
+    Bottoms/tops: whatever the class says. Blobs: those it adds with ``self.blobs.add_blob``.
+    Differs from Caffe: bottoms are handed over as copies (CPU, float32), so a class that writes
+    into its bottoms does not change the net's blobs; exceptions from the class propagate as
+    they are (Caffe's pycaffe does the same).
+    """
+
+    wrap_errors = False
+
+    def setup(self, bottom_shapes):
+        p = self.param.python_param
+        if not p.module or not p.layer:
+            raise self.fail("python_param needs both module and layer")
+        try:
+            cls = getattr(importlib.import_module(p.module), p.layer)
+        except (ImportError, AttributeError) as e:
+            raise self.fail(f"cannot load Python layer {p.module}.{p.layer}: {e}") from e
+        self.user = cls(self.param)
+        self.user.blobs = BlobVec(self)
+        self.user.param_str, self.user.phase = p.param_str, self.phase
+        bottom = [Blob(torch.zeros(tuple(s))) for s in bottom_shapes]
+        self.user.setup(bottom, [Blob(torch.zeros(0)) for _ in self.param.top])
+
+    def reshape(self, bottom_shapes):
+        top = [Blob(torch.zeros(0)) for _ in self.param.top]
+        self.user.reshape([Blob(torch.zeros(tuple(s))) for s in bottom_shapes], top)
+        return [t.shape for t in top]
+
+    def forward(self, bottoms):
+        return list(_Run.apply(self, len(self.param.top), *bottoms))
