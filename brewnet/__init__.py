@@ -11,6 +11,7 @@ from .layers import LAYERS as _LAYERS  # noqa: E402
 from .layers.python import Layer  # noqa: E402  (base class of Python layers)
 from .mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed  # noqa: E402
 from .net import Net, NetError  # noqa: E402
+from .classifier import Classifier  # noqa: E402
 from .net_spec import NetSpec, params, to_proto  # noqa: E402
 from .proto import caffe_pb2  # noqa: E402
 from .proto.caffe_pb2 import TEST, TRAIN  # noqa: E402
@@ -26,4 +27,4 @@ def layer_type_list() -> list[str]:
 __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu", "set_mode_gpu",
            "set_device", "set_random_seed", "layer_type_list", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
-           "Layer", "layers", "params", "NetSpec", "to_proto", "__version__"]
+           "Layer", "Classifier", "layers", "params", "NetSpec", "to_proto", "__version__"]

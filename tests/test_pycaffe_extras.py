@@ -169,3 +169,19 @@ def test_forward_all_pads_and_strips():
     out = net.forward_all(data=x)
     assert out["t0"].shape == (23, 9, 8)
     np.testing.assert_allclose(out["t0"], 10 * x, rtol=1e-6)
+
+
+def test_classifier_centre_crop_matches_caffe_predictions():
+    import json
+
+    from helpers import GOLDEN, MODELS
+
+    z = np.load(GOLDEN / "models" / "lenet_mnist.npz", allow_pickle=False)
+    m = json.loads(str(z["meta"]))["models"]["lenet_ethereon"]
+    clf = caffe.Classifier(str(MODELS / m["prototxt"]), str(MODELS / m["caffemodel"]), image_dims=(28, 28))
+    images = [im.transpose(1, 2, 0) for im in z["input"][:20]]          # H x W x 1
+    scores = clf.predict(images, oversample=False)
+    assert scores.shape == (20, 10)
+    np.testing.assert_array_equal(scores.argmax(1), z["lenet_ethereon/pred_10000"][:20])
+    np.testing.assert_allclose(scores, z["lenet_ethereon/prob"][:20], atol=1e-5)
+    assert clf.predict(images[:3]).shape == (3, 10)                     # 10 crops averaged

@@ -1,0 +1,48 @@
+"""pycaffe's ``caffe.Classifier``: a TEST net that takes H x W x K images and returns class
+scores, averaging the 10 oversampled crops (4 corners + centre, and their mirrors) or using the
+centre crop only."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import io
+from .net import Net
+from .proto import caffe_pb2 as pb
+
+
+class Classifier(Net):
+    """``Classifier(model_file, pretrained_file, image_dims=None, mean=None, input_scale=None,
+    raw_scale=None, channel_swap=None)``; ``mean`` is per channel (K,) or K x H x W."""
+
+    def __init__(self, model_file, pretrained_file, image_dims=None, mean=None, input_scale=None,
+                 raw_scale=None, channel_swap=None):
+        super().__init__(model_file, pb.TEST, weights=pretrained_file)
+        in_ = self.inputs[0]
+        self.transformer = t = io.Transformer({in_: self.blobs[in_].shape})
+        t.set_transpose(in_, (2, 0, 1))
+        if mean is not None:
+            t.set_mean(in_, mean)
+        if input_scale is not None:
+            t.set_input_scale(in_, input_scale)
+        if raw_scale is not None:
+            t.set_raw_scale(in_, raw_scale)
+        if channel_swap is not None:
+            t.set_channel_swap(in_, channel_swap)
+        self.crop_dims = np.array(self.blobs[in_].shape[2:])
+        self.image_dims = np.array(image_dims if image_dims is not None else self.crop_dims)
+
+    def predict(self, inputs, oversample: bool = True) -> np.ndarray:
+        """Scores (N x classes) for a list of H x W x K images (float, as ``io.load_image``)."""
+        resized = np.stack([io.resize_image(im, self.image_dims) for im in inputs])
+        if oversample:
+            crops = io.oversample(resized, self.crop_dims)
+        else:
+            centre = (self.image_dims - self.crop_dims) // 2
+            h, w = centre
+            crops = resized[:, h:h + self.crop_dims[0], w:w + self.crop_dims[1], :]
+        in_ = self.inputs[0]
+        data = np.stack([self.transformer.preprocess(in_, c) for c in crops]).astype(np.float32)
+        scores = self.forward_all(**{in_: data})[self.outputs[0]]
+        if oversample:
+            scores = scores.reshape(len(scores) // 10, 10, -1).mean(1)
+        return scores.reshape(len(inputs), -1)
