@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..proto import caffe_pb2 as pb
+from . import functional as Fn
 from .base import Layer, canonical_axis, count, register
 from .neuron import f32
 
@@ -70,8 +71,8 @@ class InnerProduct(Layer):
     def forward(self, bottoms):
         x = bottoms[0]
         x2 = x.reshape(-1, self.k)
-        w = self.blobs[0] if self.transpose else self.blobs[0].t()
-        y = torch.addmm(self.blobs[1], x2, w) if len(self.blobs) > 1 else x2 @ w
+        y = Fn.inner_product(x2, self.blobs[0], self.blobs[1] if len(self.blobs) > 1 else None,
+                             self.transpose)
         return [y.reshape(tuple(x.shape[:self.axis]) + (self.n,))]
 
 

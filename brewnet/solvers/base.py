@@ -16,6 +16,7 @@ import time
 import numpy as np
 import torch
 
+from ..memory import keep_freed_memory
 from ..net import Net
 from ..proto import caffe_pb2 as pb
 from . import snapshot as ss
@@ -72,6 +73,8 @@ class Solver:
             from ..mode import set_random_seed
             set_random_seed(p.random_seed)
         self.device = pick_device(p, device)
+        if self.device.type == "cpu":
+            keep_freed_memory()     # reuse gradient/activation memory across iterations
         self.train_feed, self.test_feeds = train_feed, list(test_feeds or [])
         self.net = make_train_net(p, self._path, self.device)
         self.test_nets = make_test_nets(p, self._path, self.device)
