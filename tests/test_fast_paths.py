@@ -14,6 +14,8 @@ import torch
 import test_golden_layers as golden
 from brewnet.layers import functional as Fn
 from brewnet.memory import keep_freed_memory
+from brewnet.solvers import sgd as sgd_mod
+from test_solvers import golden_solver
 
 needs_dnn = pytest.mark.skipif(Fn._dnn_linear() is None, reason="torch without oneDNN")
 
@@ -82,3 +84,77 @@ def test_keep_freed_memory_on_glibc():
     assert keep_freed_memory() is first        # once per process
     if platform.libc_ver()[0] == "glibc" and os.environ.get("BREWNET_KEEP_MEMORY", "1") != "0":
         assert first is True
+
+
+# -- fused SGD update -------------------------------------------------------------------------
+needs_fused = pytest.mark.skipif(not sgd_mod.fused_sgd_matches(),
+                                 reason="torch's fused SGD kernel differs here: plain ops used")
+
+
+def _plain(monkeypatch):
+    monkeypatch.setattr(sgd_mod, "fused_sgd_matches", lambda: False)
+
+
+@needs_fused
+@pytest.mark.parametrize("case, extra", [
+    ("type_sgd", ""),
+    ("policy_step", ""),                                    # rate changes mid-run
+    ("type_sgd", 'iter_size: 2'),
+    ("type_sgd", 'clip_gradients: 0.01'),
+])
+def test_fused_sgd_is_bitwise_the_plain_update(case, extra, monkeypatch):
+    fused, _ = golden_solver(case, extra)
+    fused.step(4)
+    fused.step(3)
+    _plain(monkeypatch)
+    plain, _ = golden_solver(case, extra)
+    plain.step(7)
+    for a, b in zip(fused.net.learnable, plain.net.learnable):
+        assert torch.equal(a.detach(), b.detach())
+        assert torch.equal(a.grad, b.grad)                  # the diff holds the step after step()
+    for a, b in zip(fused.history, plain.history):
+        assert torch.equal(a, b)
+
+
+@needs_fused
+def test_fused_sgd_on_large_odd_params(monkeypatch):
+    # sizes whose thread chunks and tails fall mid-vector (CaffeNet's conv1: 34848)
+    shapes = [(96, 3, 11, 11), (384, 256, 3, 3), (1000, 4096), (1000,), (7,)]
+    g = torch.Generator().manual_seed(1)
+    results = []
+    for plain in (False, True):
+        if plain:
+            _plain(monkeypatch)
+        s, _ = golden_solver("type_sgd")
+        g.manual_seed(1)
+        params = [torch.randn(sh, generator=g).mul_(0.01) for sh in shapes]
+        s.net.learnable[:] = params
+        s.net.lr_mults[:], s.net.decay_mults[:] = [1, 2, 1, 2, 1], [1, 0, 1, 0, 1]
+        s.history = [torch.zeros_like(p) for p in params]
+        for k in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            s.apply_update()
+        results.append((params, s.history))
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_diff_holds_the_step_after_step_and_in_snapshots(tmp_path):
+    s, _ = golden_solver("type_sgd", f'snapshot: 2 snapshot_prefix: "{tmp_path}/s" '
+                                     'snapshot_diff: true')
+    s.step(3)
+    for t, h in zip(s.net.learnable, s.history):
+        assert torch.equal(t.grad, h)                       # SGD's step is the new history
+    # the snapshot at iteration 2 was written mid-loop: its diffs are that update's steps
+    from brewnet.proto import caffe_pb2 as pb
+    from brewnet.proto.io import read_binary
+    net = read_binary(tmp_path / "s_iter_2.caffemodel", pb.NetParameter())
+    st = read_binary(tmp_path / "s_iter_2.solverstate", pb.SolverState())
+    diffs = [np.asarray(b.diff, np.float32) for lp in net.layer for b in lp.blobs]
+    hist = [np.asarray(b.data, np.float32) for b in st.history]
+    assert len(diffs) == len(hist) > 0
+    for d, h in zip(diffs, hist):
+        np.testing.assert_array_equal(d, h)

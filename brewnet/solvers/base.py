@@ -94,6 +94,7 @@ class Solver:
         self.test_scores: list[dict] = [{} for _ in self.test_nets]
         self.history = [torch.zeros_like(t.detach()) for _ in range(self.history_sets)
                         for t in self.net.learnable]
+        self._pending_steps: list[tuple[torch.Tensor, torch.Tensor]] = []   # (diff, step)
         log.info("Solver scaffolding done.")
 
     # -- hooks for update rules -------------------------------------------------------------
@@ -103,6 +104,25 @@ class Solver:
     def compute_update(self, i: int, param: torch.Tensor, grad: torch.Tensor, local_rate: float) -> None:
         """Turn ``grad`` (in place) into the step for learnable param ``i``."""
         raise NotImplementedError
+
+    def update_params(self, todo, l2: bool, store_step: bool) -> None:
+        """Regularise, turn into steps and apply the diffs of ``todo``, a list of (index, param,
+        diff, decay, local rate), in Caffe's order: diff += decay * (param or sign(param) for
+        L1); ``compute_update``; param -= diff. A rule may override this with a fused version
+        giving the same numbers; with ``store_step`` False it may defer leaving the step in the
+        diff to ``_store_steps`` (the loop clears the diffs before anyone else sees them)."""
+        for i, t, g, decay, rate in todo:
+            if decay:
+                g.add_(t if l2 else torch.sign(t), alpha=decay)
+            self.compute_update(i, t, g, rate)
+            t.sub_(g)
+
+    def _store_steps(self) -> None:
+        """Leave the steps an update deferred in the param diffs (Caffe's diffs hold the step)."""
+        if self._pending_steps:
+            diffs, steps = zip(*self._pending_steps)
+            torch._foreach_copy_(list(diffs), list(steps))
+            self._pending_steps = []
 
     # -- construction -----------------------------------------------------------------------
     def _check_snapshot_prefix(self) -> None:
@@ -142,13 +162,20 @@ class Solver:
     # -- the loop ---------------------------------------------------------------------------
     def step(self, iters: int) -> None:
         """Run ``iters`` iterations (Caffe's ``Solver::Step``)."""
-        p = self.param
         start_iter, stop_iter = self.iter, self.iter + int(iters)
         self._losses, self.smoothed_loss = [], f32(0)
+        try:
+            self._step_loop(start_iter, stop_iter)
+        finally:
+            self._store_steps()
+
+    def _step_loop(self, start_iter: int, stop_iter: int) -> None:
+        p = self.param
         tic, last = time.perf_counter(), self.iter
         while self.iter < stop_iter:
             # Caffe's ClearParamDiffs. Dropping the grads (rather than zeroing them) lets
             # autograd store the fresh gradients without a zero pass and an add pass.
+            self._pending_steps = []
             for t in self.net.learnable:
                 t.grad = None
             if p.test_interval and self.iter % p.test_interval == 0 and (self.iter > 0 or p.test_initialization):
@@ -168,7 +195,7 @@ class Solver:
                 self._log_outputs(self.net, "Train", {n: self.net.blobs[n].tensor for n in self.net.outputs})
             for _, on_gradients in self._callbacks:
                 on_gradients and on_gradients()
-            self.apply_update(display)
+            self.apply_update(display, store_step=False)
             self.iter += 1
             request = self._take_request()
             if (p.snapshot and self.iter % p.snapshot == 0) or request == "snapshot":
@@ -245,9 +272,10 @@ class Solver:
                                      f"{nonfinite_origin(self.net)}")
         return value
 
-    def apply_update(self, display: bool = False) -> None:
+    def apply_update(self, display: bool = False, store_step: bool = True) -> None:
         """One update from the current param diffs (Caffe's ``SGDSolver::ApplyUpdate``);
-        ``iter`` is not advanced."""
+        ``iter`` is not advanced. The diffs are left holding the step, as Caffe's; the loop
+        lets a rule defer that (``store_step=False``) until someone could look."""
         p = self.param
         rate, self.current_step = policy(p.lr_policy)(p, self.iter, self.current_step)
         if display:
@@ -261,6 +289,7 @@ class Solver:
         self._clip(grads)
         norm = f32(1) / f32(p.iter_size)
         wd = f32(p.weight_decay)
+        todo = []
         with torch.no_grad():
             for i, (t, g) in enumerate(zip(net.learnable, grads)):
                 lr_mult = f32(net.lr_mults[i])
@@ -269,11 +298,8 @@ class Solver:
                     continue
                 if p.iter_size > 1:
                     g.mul_(float(norm))
-                decay = wd * f32(net.decay_mults[i])
-                if decay:
-                    g.add_(t if p.regularization_type == "L2" else torch.sign(t), alpha=float(decay))
-                self.compute_update(i, t, g, float(rate * lr_mult))
-                t.sub_(g)
+                todo.append((i, t, g, float(wd * f32(net.decay_mults[i])), float(rate * lr_mult)))
+            self.update_params(todo, p.regularization_type == "L2", store_step)
 
     def _clip(self, grads) -> None:
         clip = f32(self.param.clip_gradients)
@@ -356,6 +382,7 @@ class Solver:
         from ..weights import net_to_proto, save_weights_h5
         from ..proto.io import write_binary
 
+        self._store_steps()
         p = self.param
         h5 = p.snapshot_format == pb.SolverParameter.HDF5
         model = self._filename(".caffemodel.h5" if h5 else ".caffemodel")
