@@ -34,6 +34,15 @@ def _load_param(source) -> "pb.NetParameter":
     return read_net(os.fspath(source))
 
 
+def _nhwc(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in channels_last memory. One channel gets NHWC strides too: torch keeps the NCHW
+    ones there (the same memory), and every layer after it would then compute in NCHW."""
+    t = t.contiguous(memory_format=torch.channels_last)
+    if t.shape[1] == 1 and t.stride(1) != 1:
+        t = t.as_strided(t.shape, (t.stride(0), 1, t.stride(2), t.stride(3)))
+    return t
+
+
 class Net(PycaffeNet):
     """A Caffe network.
 
@@ -270,7 +279,7 @@ class Net(PycaffeNet):
                     ts.append(t)
                     if self._channels_last and t.dim() == 4:
                         # The blob stays NCHW for numpy users; the layers compute in NHWC.
-                        fed[n] = t.contiguous(memory_format=torch.channels_last)
+                        fed[n] = _nhwc(t)
                 if grad:
                     self._ran[j] = ([], ts)
         loss = torch.zeros((), device=self.device)
@@ -286,7 +295,9 @@ class Net(PycaffeNet):
                 if last <= i1:  # Convolution -> BatchNorm -> Scale folded into one convolution
                     b = self.bottom_lists[i][0]
                     x = fed[b] if b in fed else self.blobs[b].tensor
-                    self.blobs[self.top_lists[i][0]].tensor = self._folder.run(i, x)
+                    top = self.top_lists[i][0]
+                    self.blobs[top].tensor = self._folder.run(i, x)
+                    fed.pop(top, None)   # an in-place chain on an input: later layers read its result
                     i = last
                     continue
                 bottoms = [fed[b] if b in fed else self.blobs[b].tensor for b in self.bottom_lists[i]]
@@ -297,6 +308,7 @@ class Net(PycaffeNet):
                     self._ran[i] = (bottoms, tops)
                 for name, t in zip(self.top_lists[i], tops):
                     self.blobs[name].tensor = t
+                    fed.pop(name, None)   # in place on an input: the NHWC copy is stale now
                     w = self._loss_weights.get(name)
                     if w:
                         loss = loss + w * t.detach().sum()
