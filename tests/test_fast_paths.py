@@ -158,3 +158,36 @@ def test_diff_holds_the_step_after_step_and_in_snapshots(tmp_path):
     assert len(diffs) == len(hist) > 0
     for d, h in zip(diffs, hist):
         np.testing.assert_array_equal(d, h)
+
+
+# -- channels_last ----------------------------------------------------------------------------
+ONE_CHANNEL = """
+layer { name: "data" type: "Input" top: "data" top: "target"
+  input_param { shape { dim: 4 dim: 1 dim: 12 dim: 12 } shape { dim: 4 dim: 5 dim: 5 dim: 5 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 5 kernel_size: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool"
+  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "pool" bottom: "target" top: "loss" }
+"""
+
+
+def test_one_channel_input_still_computes_in_nhwc():
+    from brewnet.net import Net
+    from brewnet.proto import caffe_pb2 as pb
+    net = Net(ONE_CHANNEL, pb.TRAIN)
+    g = torch.Generator().manual_seed(0)
+    net.blobs["data"].data[...] = torch.randn(4, 1, 12, 12, generator=g).numpy()
+    net.blobs["target"].data[...] = torch.randn(4, 5, 5, 5, generator=g).numpy()
+    outs = []
+    for nhwc in (True, False):
+        net._channels_last = nhwc
+        net.clear_param_diffs()
+        net.forward()
+        net.backward()
+        conv = net.blobs["conv"].tensor
+        assert conv.is_contiguous(memory_format=torch.channels_last) == nhwc
+        assert (conv.stride(1) == 1) == nhwc
+        outs.append((net.blobs["pool"].data.copy(), net.params["conv"][0].diff.copy()))
+    np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-6)

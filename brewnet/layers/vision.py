@@ -106,6 +106,9 @@ class _ConvolutionBase(Layer):
         b = self.blobs[1] if self.bias_term else None
         tops = []
         for x in bottoms:
+            if self.axis == 1:  # no reshape: it would reset a 1-channel NHWC tensor to NCHW
+                tops.append(op(x, w, b, self.stride, self.pad, self.dilation, self.group))
+                continue
             lead = tuple(x.shape[:self.axis])     # all axes before `axis` are batch axes
             y = op(x.reshape((-1,) + tuple(x.shape[self.axis:])), w, b, self.stride, self.pad,
                    self.dilation, self.group)
