@@ -132,8 +132,8 @@ def opencv_pools_like_caffe(H, W, k, s, p):
     """False where OpenCV's pooling departs from Caffe's (pooling_layer.cpp):
     - no pad and a last window that starts at or beyond the input (stride > kernel): Caffe keeps
       the empty window (MAX: -FLT_MAX, AVE: 0/0), OpenCV writes 0 or fails;
-    - only one axis padded: Caffe clips the last window on both axes (``if (pad_h_ || pad_w_)``),
-      OpenCV only on the padded axis."""
+    - only one axis padded: Caffe clips the last window on both axes as soon as either
+      has a pad, OpenCV only on the padded axis."""
     any_pad = bool(p[0] or p[1])
     for size, kk, ss, pp in ((H, k[0], s[0], p[0]), (W, k[1], s[1], p[1])):
         n = caffe_pooled(size, kk, ss, pp, any_pad)
@@ -167,7 +167,9 @@ def pool_cases(n=40):
             params = f"pooling_param {{ pool: {method} {spec} }}"
             cid = f"pool{len(out)}_{method}_{H}x{W}_k{k[0]}x{k[1]}s{s[0]}x{s[1]}p{p[0]}x{p[1]}"
         tol = ATOL_ELEMENTWISE if method == "MAX" else ATOL_REDUCE
-        out.append(Case(cid, layer("y", "Pooling", "x", params=params), {"x": (2, C, H, W)}, ["y"], tol=tol))
+        tops = ["y", "mask"] if method == "MAX" and len(out) % 4 == 0 else ["y"]   # argmax h * W + w
+        out.append(Case(cid + ("_mask" if len(tops) == 2 else ""), layer("pool", "Pooling", "x", tops, params),
+                        {"x": (2, C, H, W)}, tops, tol=tol))
     return out
 
 
@@ -429,6 +431,8 @@ def priorbox_cases():
     # `variance` is always written: OpenCV requires it, the fork defaults to 0.1.
     # No img_size / img_h / img_w: OpenCV ignores them and uses the image bottom's size, the
     # fork's PriorBoxLayer uses them for both the step and the normalisation.
+    # Whole-number min_size/max_size only: the fork's PriorBoxLayer truncates them to int,
+    # OpenCV keeps the fraction.
     rows = [
         "min_size: 30 max_size: 60 aspect_ratio: 2 flip: true clip: false variance: 0.1 variance: 0.1 variance: 0.2 variance: 0.2",
         "min_size: 30 aspect_ratio: 2 aspect_ratio: 3 flip: true clip: true variance: 0.1",

@@ -25,7 +25,7 @@ import brewnet as caffe
 from brewnet.proto import caffe_pb2 as pb
 
 from helpers import MODELS
-from opencv_cases import UNIT_CASES, seed_of
+from opencv_cases import UNIT_CASES, fold_cases, seed_of
 
 cv2 = pytest.importorskip("cv2")
 
@@ -129,6 +129,28 @@ def run_case(case, tmp_path):
 @pytest.mark.parametrize("case", UNIT_CASES, ids=repr)
 def test_layer_matches_opencv(case, tmp_path):
     run_case(case, tmp_path)
+
+
+@pytest.mark.parametrize("case", fold_cases()[:4], ids=repr)
+def test_folded_chain_follows_param_edits(case, tmp_path):
+    """brewnet folds Convolution -> BatchNorm -> Scale at inference and caches the fold; edits
+    to the params after a forward (pycaffe style, in place) must reach the next forward."""
+    text = net_text(case)
+    rng = np.random.default_rng(seed_of(case.id + "edit"))
+    net = caffe.Net(text, caffe.TEST)
+    fill_params(net, rng, case.fill)
+    x = rng.standard_normal(case.inputs["x"]).astype(np.float32)
+    net.forward(x=x)
+    fill_params(net, rng, case.fill)
+    net.params["bn"][1].data[...] *= 3
+    net.params["sc"][0].data[0] = 5.0
+    net.forward(x=x)
+    proto, model = tmp_path / "net.prototxt", tmp_path / "net.caffemodel"
+    proto.write_text(text)
+    net.save(str(model))
+    (out,) = case.outputs
+    theirs = opencv_forward(proto, model, {"x": x}, [out], producers(text))
+    compare(net.blobs[out].data, theirs[out], case.tol, case.id)
 
 
 def test_generators_cover_the_brief():
