@@ -1,6 +1,6 @@
 """The CPU speed paths give the same numbers as the plain formulas: oneDNN inner products (to
 float rounding, and on Caffe's golden cases), the allocator setting, the fused SGD update (bit
-for bit) and LRN in channels_last."""
+for bit), 1-channel inputs in NHWC and LRN in channels_last."""
 from __future__ import annotations
 
 import json
@@ -191,3 +191,24 @@ def test_one_channel_input_still_computes_in_nhwc():
         outs.append((net.blobs["pool"].data.copy(), net.params["conv"][0].diff.copy()))
     np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-6)
+
+
+def test_lrn_across_channels_in_nhwc_matches_nchw():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 10, 5, 7, generator=g) * 5).requires_grad_()
+    dy = torch.randn(3, 10, 5, 7, generator=g)
+    xc = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    y = Fn.lrn_across_channels(x, 5, 1e-2, 0.75, 2.0)
+    yc = Fn.lrn_across_channels(xc, 5, 1e-2, 0.75, 2.0)
+    y.backward(dy)
+    yc.backward(dy)
+    assert yc.is_contiguous(memory_format=torch.channels_last)
+    # same sums in the same order; elementwise kernels may round a tail element by an ulp
+    torch.testing.assert_close(yc, y, rtol=1e-6, atol=0)
+    torch.testing.assert_close(xc.grad, x.grad, rtol=1e-6, atol=1e-7)
+    # and the formula itself, in float64 numpy: x / (k + alpha/n sum_window x^2)^beta
+    xd = x.detach().double().numpy()
+    sq = np.pad(xd ** 2, ((0, 0), (2, 2), (0, 0), (0, 0)))
+    win = sum(sq[:, i:i + 10] for i in range(5))
+    np.testing.assert_allclose(yc.detach().numpy(), xd / (2.0 + 1e-2 / 5 * win) ** 0.75,
+                               rtol=1e-5, atol=1e-6)

@@ -245,9 +245,16 @@ def lrn_across_channels(x: torch.Tensor, size: int, alpha: float, beta: float,
     """``x / (k + alpha/size * sum of x^2 over channels [c - (size-1)/2, c + (size-1)/2])^beta``
     with channels outside the blob counting as zero (Caffe ACROSS_CHANNELS, odd ``size``)."""
     n, c = x.shape[:2]
-    sq = (x * x).reshape(n, 1, c, -1)
-    mean = F.avg_pool2d(sq, (size, 1), stride=1, padding=((size - 1) // 2, 0),
-                        count_include_pad=True).view_as(x)
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and \
+            not x.is_contiguous():
+        # NHWC memory: channels are the last axis, so the windows need no layout copy
+        sq = (x * x).permute(0, 2, 3, 1).reshape(-1, 1, c)
+        mean = F.avg_pool1d(sq, size, stride=1, padding=(size - 1) // 2, count_include_pad=True)
+        mean = mean.view(n, x.shape[2], x.shape[3], c).permute(0, 3, 1, 2)
+    else:
+        sq = (x * x).reshape(n, 1, c, -1)
+        mean = F.avg_pool2d(sq, (size, 1), stride=1, padding=((size - 1) // 2, 0),
+                            count_include_pad=True).view_as(x)
     return x * (k + alpha * mean).pow(-beta)
 
 
