@@ -454,6 +454,8 @@ def detection_cases():
     # CORNER_SIZE code type, so that one is not drawn. variance_encoded_in_target: OpenCV then
     # wants a prior blob without the variance channel; the fork's layer takes the same (1, 2, P*4)
     # PriorBox top and just skips the variances.
+    # No row without any detection: the fork then writes one [image, -1, -1, -1, -1, -1, -1] row
+    # per image, OpenCV zero rows.
     prior = ("min_size: 30 max_size: 60 aspect_ratio: 2 flip: true clip: false "
              "variance: 0.1 variance: 0.1 variance: 0.2 variance: 0.2")
     P, C = 4 * 5 * 4, 5    # priors: 4x5 cells x 4 boxes; classes incl. background
