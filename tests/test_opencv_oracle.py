@@ -108,6 +108,7 @@ def compare_detections(ours, theirs, tol, what):
     theirs = theirs[:n][np.lexsort((-theirs[:n, 2], theirs[:n, 1], theirs[:n, 0]))]
     compare(ours, theirs, tol, what)
 
+
 def run_case(case, tmp_path):
     text = net_text(case)
     rng = np.random.default_rng(seed_of(case.id))
