@@ -14,7 +14,7 @@ import torch
 import test_golden_layers as golden
 from brewnet.layers import functional as Fn
 from brewnet.memory import keep_freed_memory
-from brewnet.solvers import sgd as sgd_mod
+from brewnet.solvers import fused, sgd
 from test_solvers import golden_solver
 
 needs_dnn = pytest.mark.skipif(Fn._dnn_linear() is None, reason="torch without oneDNN")
@@ -87,12 +87,13 @@ def test_keep_freed_memory_on_glibc():
 
 
 # -- fused SGD update -------------------------------------------------------------------------
-needs_fused = pytest.mark.skipif(not sgd_mod.fused_sgd_matches(),
+needs_fused = pytest.mark.skipif(not fused.fused_sgd_matches(),
                                  reason="torch's fused SGD kernel differs here: plain ops used")
 
 
 def _plain(monkeypatch):
-    monkeypatch.setattr(sgd_mod, "fused_sgd_matches", lambda: False)
+    monkeypatch.setattr(sgd, "fused_sgd_matches", lambda: False)
+    monkeypatch.setattr(sgd, "sgd_update", None)             # would fail if still reached
 
 
 @needs_fused
