@@ -34,9 +34,12 @@ def run(args) -> int:
     if args.iterations < 1:
         return report(COMMAND, f"--iterations must be at least 1, got {args.iterations}")
     try:
+        from ..memory import keep_freed_memory
         from ..net import Net
         from ..proto import caffe_pb2 as pb
         from ..timing import time_net
+
+        keep_freed_memory()      # time steady-state steps, as a training run sees them
 
         device = single_device(args.gpu, COMMAND)
         phase = pb.TRAIN if args.phase == "TRAIN" else pb.TEST
