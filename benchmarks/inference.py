@@ -12,7 +12,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 MODELS = ROOT.parent / "shared" / "caffe-models"
 
 import brewnet  # noqa: E402
+from timing import timed  # noqa: E402
 
 NETS = {
     "open_nsfw": ("trained/open_nsfw/deploy.prototxt", "trained/open_nsfw/resnet_50_1by2_nsfw.caffemodel"),
@@ -30,16 +30,6 @@ NETS = {
               "trained/lenet_mnist_ethereon/examples/mnist/lenet_iter_10000.caffemodel"),
     "CaffeNet": ("bvlc/models/bvlc_reference_caffenet/deploy.prototxt", None),
 }
-
-
-def time_call(fn, repeats: int) -> list[float]:
-    fn()  # warm-up
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 def main() -> None:
@@ -81,8 +71,8 @@ def main() -> None:
 
             tb, tc = [], []
             for _ in range(max(1, args.repeats // 5)):  # interleave to share the noise
-                tb += time_call(run_brewnet, 5)
-                tc += time_call(run_cv, 5)
+                tb += timed(run_brewnet, 5, warmup=1)
+                tc += timed(run_cv, 5, warmup=1)
             mb, mc = statistics.median(tb) * 1e3 / batch, statistics.median(tc) * 1e3 / batch
             print(f"{name:<10} {batch:>5} {mb:>15.2f} {mc:>14.2f} {mb / mc:>7.2f}")
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 MODELS = ROOT.parent / "shared" / "caffe-models"
 
 import brewnet  # noqa: E402
+from timing import timed  # noqa: E402
 from brewnet.proto import caffe_pb2 as pb  # noqa: E402
 from brewnet.proto.io import read_net, read_solver  # noqa: E402
 from brewnet.solvers import SGDSolver  # noqa: E402
@@ -121,15 +121,6 @@ class Plain(nn.Module):
                 h.mul_(momentum).add_(p.grad, alpha=lr * lm)
                 p.sub_(h)
         return loss.item()
-
-
-def timed(fn, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 def main() -> None:
