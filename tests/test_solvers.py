@@ -169,6 +169,19 @@ def test_multistep_advances_one_step_per_call():
     assert (rate, step) == (0.25, 2)
 
 
+def test_lr_read_is_caffes_get_learning_rate(caplog):
+    # pycaffe's solver.lr calls GetLearningRate, which advances a multistep's current_step;
+    # with two stepvalues due at iteration 2, read-then-step takes both steps there.
+    s, _ = golden_solver("policy_multistep", "stepvalue: 2 stepvalue: 2 display: 1")
+    del s.param.stepvalue[:3]           # the case's own 2, 5, 7 go; the two 2s stay
+    assert list(s.param.stepvalue) == [2, 2]
+    with caplog.at_level(logging.INFO, logger="brewnet"):
+        lrs, _ = run_golden_steps(s, 4)
+    assert np.float32(lrs).tolist() == np.float32([0.05, 0.05, 0.025, 0.0125]).tolist()
+    assert "Iteration 2, lr = 0.0125" in _logged(caplog)     # the update at 2 used both steps
+    assert s.current_step == 2
+
+
 def test_unknown_policy_and_type_list_known_ones(tmp_path):
     with pytest.raises(ValueError, match="Unknown lr_policy 'cosine'.*multistep.*sigmoid"):
         golden_solver("type_sgd", 'lr_policy: "cosine"')

@@ -142,8 +142,12 @@ class Solver:
     # -- pycaffe surface --------------------------------------------------------------------
     @property
     def lr(self) -> float:
-        """The rate the next update will use (before any rule-specific correction)."""
-        return float(policy(self.param.lr_policy)(self.param, self.iter, self.current_step)[0])
+        """The rate the next update will use (before any rule-specific correction). Reading it
+        is pycaffe's ``solver.lr``, i.e. a call of Caffe's ``GetLearningRate``, which moves
+        ``current_step`` as a call from the update does: "multistep" advances at most one
+        step per call, so a read can bring forward a second step due at the same iteration."""
+        rate, self.current_step = policy(self.param.lr_policy)(self.param, self.iter, self.current_step)
+        return float(rate)
 
     def add_callback(self, on_start=None, on_gradients=None) -> None:
         """pycaffe's callbacks: ``on_start()`` before each iteration's forward passes,
