@@ -183,6 +183,14 @@ def test_eltwise_max_tie_rule_and_gradient():
     assert a.grad.tolist() == [0, 1, 0] and b.grad.tolist() == [1, 0, 1] and c.grad.tolist() == [0, 0, 0]
 
 
+def test_eltwise_max_ignores_coeffs():
+    """Caffe's LayerSetUp rejects coeffs only for PROD; MAX accepts and ignores them."""
+    xs = [rand(2, 3, seed=s) for s in (1, 2)]
+    l, _ = build("Eltwise", "eltwise_param { operation: MAX coeff: 2 coeff: -3 }", [(2, 3)] * 2)
+    y = l.forward(xs)[0]
+    np.testing.assert_array_equal(y.numpy(), np.maximum(xs[0].numpy(), xs[1].numpy()))
+
+
 def test_eltwise_prod_gradient_with_zeros():
     """Caffe's default stable_prod_grad: diff_i = product of the other bottoms (no 0/0)."""
     l, _ = build("Eltwise", "eltwise_param { operation: PROD }", [(2,)] * 3)

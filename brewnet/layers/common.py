@@ -130,7 +130,8 @@ class Softmax(Layer):
 @register("Eltwise")
 class Eltwise(Layer):
     """Elementwise SUM (with per-bottom coeff), PROD or MAX over equally shaped bottoms.
-    Params: eltwise_param {operation, coeff, stable_prod_grad}. MAX ties: see eltwise_max.
+    Params: eltwise_param {operation, coeff (SUM; MAX accepts and ignores them, as Caffe),
+    stable_prod_grad}. MAX ties: see eltwise_max.
     Differs from Caffe: stable_prod_grad false (x-product / x_i) is not reproduced; PROD always
     uses the exact product of the other bottoms (Caffe's default, which has no 0/0)."""
 
@@ -142,8 +143,8 @@ class Eltwise(Layer):
         if len(p.coeff) not in (0, len(bottom_shapes)):
             raise self.fail(f"takes one coeff per bottom: {len(p.coeff)} coeffs for "
                             f"{len(bottom_shapes)} bottoms")
-        if len(p.coeff) and p.operation != Op.SUM:
-            raise self.fail("coeff is only allowed for operation SUM")
+        if len(p.coeff) and p.operation == Op.PROD:  # Caffe rejects PROD only; MAX ignores them
+            raise self.fail("coeff is only allowed for operation SUM (and ignored by MAX)")
         self.coeffs = [f32(c) for c in p.coeff] or [1.0] * len(bottom_shapes)
 
     def reshape(self, bottom_shapes):
