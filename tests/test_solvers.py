@@ -150,12 +150,16 @@ def _policy_param(text: str) -> "pb.SolverParameter":
     ('lr_policy: "poly" base_lr: 1 power: 2 max_iter: 100', [0, 50, 100], [1, 0.25, 0]),
     ('lr_policy: "sigmoid" base_lr: 1 gamma: 1 stepsize: 10', [10, 10 + 100], [0.5, 1.0]),
     ('lr_policy: "sigmoid" base_lr: 1 gamma: 100 stepsize: 10', [0], [0.0]),   # expf overflow
+    # expf(88.71) is still finite (< FLT_MAX): the rate is a subnormal float, not 0
+    ('lr_policy: "sigmoid" base_lr: 1 gamma: 0.8871 stepsize: 100', [0], [2.976712e-39]),
+    # past max_iter powf gives NaN (negative base, fractional power), as Caffe's rate
+    ('lr_policy: "poly" base_lr: 1 power: 1.5 max_iter: 10', [10, 12], [0, float("nan")]),
 ])
 def test_lr_policy_formulas(text, iters, expect):
     p = _policy_param(text)
     fn = LR_POLICIES[p.lr_policy]
     got = [float(fn(p, it, 0)[0]) for it in iters]
-    np.testing.assert_allclose(got, expect, rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(got, expect, rtol=1e-6, atol=1e-45)
 
 
 def test_multistep_advances_one_step_per_call():

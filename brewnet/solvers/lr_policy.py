@@ -16,7 +16,10 @@ f32 = np.float32
 
 
 def _powf(x, y) -> np.float32:
-    return f32(math.pow(float(x), float(y)))
+    # powf's domain: a negative base with a fractional power is NaN and 0 to a negative power
+    # is inf (poly past max_iter) - math.pow would raise instead.
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        return f32(np.power(np.float64(x), np.float64(y)))
 
 
 def _check(cond: bool, what: str) -> None:
@@ -63,7 +66,8 @@ def sigmoid(p, it, step):
     _check(p.gamma >= 0, f"'sigmoid' needs gamma >= 0, got {p.gamma}")
     _check(p.stepsize > 0, f"'sigmoid' needs stepsize > 0, got {p.stepsize}")
     x = float(-f32(p.gamma) * (f32(it) - f32(p.stepsize)))
-    e = f32(math.exp(x)) if x < 88.7 else f32(np.inf)      # expf overflows to inf: rate 0
+    with np.errstate(over="ignore"):                      # expf overflows to inf: rate 0
+        e = f32(math.exp(min(x, 700.0)))
     return f32(p.base_lr) * (f32(1) / (f32(1) + e)), step
 
 
