@@ -272,6 +272,23 @@ def test_lr_mult_zero_freezes_param():
     assert s.history[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("kind", ["sgd", "nesterov"])
+def test_lr_mult_zero_with_history_keeps_decaying(kind):
+    # Caffe runs ComputeUpdateValue for lr_mult 0 too: a history left from earlier training
+    # (or a restored state) decays by momentum and still moves the param.
+    s, _ = golden_solver(f"type_{kind}")
+    s.step(2)
+    h0 = s.history[0].clone().double()
+    w0 = s.net.learnable[0].detach().clone().double()
+    assert h0.abs().sum() > 0
+    s.net.lr_mults[0] = 0.0
+    s.step(1)
+    h1 = 0.9 * h0
+    step = h1 if kind == "sgd" else 1.9 * h1 - 0.9 * h0
+    torch.testing.assert_close(s.history[0].double(), h1, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(s.net.learnable[0].detach().double(), w0 - step, rtol=1e-6, atol=1e-8)
+
+
 def test_apply_update_pycaffe():
     # pycaffe test_solver.py::test_apply_update: weights 0, diff 1, base_lr 0.01 'inv' -> -0.01.
     s, _ = golden_solver("type_sgd", 'lr_policy: "inv" gamma: 0.0001 power: 0.75 base_lr: 0.01 '

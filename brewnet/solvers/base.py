@@ -95,6 +95,7 @@ class Solver:
         self.history = [torch.zeros_like(t.detach()) for _ in range(self.history_sets)
                         for t in self.net.learnable]
         self._pending_steps: list[tuple[torch.Tensor, torch.Tensor]] = []   # (diff, step)
+        self._zero_history: set[int] = set()      # learnable indices whose history is all 0
         log.info("Solver scaffolding done.")
 
     # -- hooks for update rules -------------------------------------------------------------
@@ -297,13 +298,26 @@ class Solver:
         with torch.no_grad():
             for i, (t, g) in enumerate(zip(net.learnable, grads)):
                 lr_mult = f32(net.lr_mults[i])
-                if lr_mult == 0 and self.frozen_is_noop:
+                if lr_mult == 0 and self.frozen_is_noop and self._history_is_zero(i):
                     g.zero_()
                     continue
+                self._zero_history.discard(i)
                 if p.iter_size > 1:
                     g.mul_(float(norm))
                 todo.append((i, t, g, float(wd * f32(net.decay_mults[i])), float(rate * lr_mult)))
             self.update_params(todo, p.regularization_type == "L2", store_step)
+
+    def _history_is_zero(self, i: int) -> bool:
+        """Whether learnable param ``i``'s history is all zeros (then a frozen SGD/Nesterov
+        update leaves everything as it is). A restored or earlier-trained history is not: Caffe
+        keeps decaying it by momentum and moves the param with it. Known-zero indices are
+        cached; any update of ``i`` drops it from the cache."""
+        if i not in self._zero_history:
+            n = len(self.net.learnable)
+            if any(self.history[k * n + i].any() for k in range(self.history_sets)):
+                return False
+            self._zero_history.add(i)
+        return True
 
     def _clip(self, grads) -> None:
         clip = f32(self.param.clip_gradients)
@@ -421,6 +435,7 @@ class Solver:
             for h, mine in zip(st.history, self.history):
                 mine.copy_(torch.from_numpy(h.reshape(tuple(mine.shape))))
         self.iter, self.current_step = st.iter, st.current_step
+        self._zero_history.clear()
         self._train_count = self.iter * self.param.iter_size
 
     @staticmethod
