@@ -221,6 +221,19 @@ def test_infogain_h_bottom_with_ignore():
     assert gradcheck_layer(layer, [x, lab, h])
 
 
+def test_infogain_prob_top_diff_is_ignored():
+    """Caffe's InfogainLoss backward reads only top[0]'s diff: a diff on the prob top (weight 0
+    in Caffe, random in the golden harness) adds nothing to the data diff."""
+    x, lab, h = randn(4, 5, std=2), labels((4,), 5), torch.tensor(RNG.random((1, 1, 5, 5)))
+    layer, _ = layer_of("InfogainLoss", [x, lab, h], tops=("loss", "prob"))
+    xg = x.clone().requires_grad_(True)
+    loss, prob = layer.forward([xg, lab, h])
+    np.testing.assert_allclose(prob.numpy(), torch.softmax(x, 1).numpy(), rtol=1e-12)
+    (loss + (prob * RNG.standard_normal(prob.shape)).sum()).backward()
+    _, gref = infogain_ref(x.numpy(), lab.numpy(), h.numpy().reshape(5, 5))
+    np.testing.assert_allclose(xg.grad.numpy(), gref, rtol=1e-10, atol=1e-14)
+
+
 def test_infogain_identity_h_equals_softmax_loss(tmp_path):
     # H from a binary BlobProto file; with H = I the loss is SoftmaxWithLoss's.
     blob = pb.BlobProto()

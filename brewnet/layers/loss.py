@@ -294,7 +294,8 @@ class InfogainLoss(_Loss):
     Bottoms: scores, labels (count outer*inner), optional H (K x K, count K*K); without it H is read
     from infogain_loss_param.source (a binary BlobProto). Tops: loss (0-D), optional probabilities.
     Params: infogain_loss_param.axis (1), source; loss_param.ignore_label, normalization (default
-    VALID; the deprecated ``normalize`` is rejected as in Caffe).
+    VALID; the deprecated ``normalize`` is rejected as in Caffe). A diff given to the
+    probabilities top is ignored, as Caffe's backward uses only the loss diff.
     """
 
     exact_bottoms = None
@@ -329,8 +330,8 @@ class InfogainLoss(_Loss):
         axis = canonical_axis(self.param.infogain_loss_param.axis, x.dim(), self)
         h = bottoms[2] if len(bottoms) > 2 else self.h
         tops = [weighted_log_loss(x, label, axis, self.ignore, self.mode, h, LOG_THRESHOLD)]
-        if self.num_tops > 1:
-            tops.append(torch.softmax(x, axis))
+        if self.num_tops > 1:  # Caffe's backward reads only the loss diff: no gradient via prob
+            tops.append(torch.softmax(x.detach(), axis))
         return tops
 
 
