@@ -83,6 +83,9 @@ class Net(PycaffeNet):
         self.lr_mults: list[float] = []                # per learnable param, in self.learnable order
         self.decay_mults: list[float] = []
         self.learnable: list[torch.Tensor] = []
+        self._has_lr: list[bool] = []                  # per learnable: lr_mult/decay_mult given,
+        self._has_decay: list[bool] = []               # and whether it can be learned at all
+        self._capable: list[bool] = []
         self._shapes: dict[str, tuple] = {}
         names = set()
         for lp in self.param.layer:
@@ -169,29 +172,44 @@ class Net(PycaffeNet):
         return tops
 
     def _append_params(self, layer: Layer, lp) -> None:
+        """Caffe's ``AppendParam``: every owned blob is a learnable param (BatchNorm's statistics
+        too, with lr_mult 0, so solver states line up with Caffe's); a blob shared by name takes
+        an lr_mult/decay_mult the owner left unset, and a mismatch is an error."""
         if len(lp.param) > len(layer.blobs):
             raise NetError(f"Layer '{lp.name}': {len(lp.param)} param specs for "
                            f"{len(layer.blobs)} parameter blobs")
         for j in range(len(layer.blobs)):
             spec = lp.param[j] if j < len(lp.param) else pb.ParamSpec()
             if spec.name and spec.name in self._owners:
-                owner, k = self._owners[spec.name]
+                owner, k, idx = self._owners[spec.name]
                 src, dst = owner.blobs[k], layer.blobs[j]
                 strict = spec.share_mode == pb.ParamSpec.STRICT
                 if (tuple(src.shape) != tuple(dst.shape)) if strict else (src.numel() != dst.numel()):
                     raise NetError(f"Layer '{lp.name}': cannot share param '{spec.name}' of shape "
                                    f"{tuple(src.shape)} (layer '{owner.name}') with shape {tuple(dst.shape)}")
                 layer.blobs[j] = src if tuple(src.shape) == tuple(dst.shape) else src.view(dst.shape)
+                for field, values, given in (("lr_mult", self.lr_mults, self._has_lr),
+                                             ("decay_mult", self.decay_mults, self._has_decay)):
+                    if spec.HasField(field):
+                        if given[idx] and values[idx] != getattr(spec, field):
+                            raise NetError(f"Layer '{lp.name}': shared param '{spec.name}' has "
+                                           f"mismatched {field} ({getattr(spec, field)} vs {values[idx]})")
+                        given[idx], values[idx] = True, getattr(spec, field)
+                if self._capable[idx]:
+                    src.requires_grad_(self.lr_mults[idx] != 0)
                 continue
-            if spec.name:
-                self._owners[spec.name] = (layer, j)
             blob = layer.blobs[j]
-            if blob.requires_grad:
-                if spec.lr_mult == 0:
-                    blob.requires_grad_(False)
-                self.learnable.append(blob)
-                self.lr_mults.append(spec.lr_mult)
-                self.decay_mults.append(spec.decay_mult)
+            capable = blob.requires_grad            # BatchNorm's statistics are never learned
+            if spec.name:
+                self._owners[spec.name] = (layer, j, len(self.learnable))
+            self.learnable.append(blob)
+            self.lr_mults.append(spec.lr_mult if capable else 0.0)
+            self.decay_mults.append(spec.decay_mult)
+            self._has_lr.append(spec.HasField("lr_mult") or not capable)
+            self._has_decay.append(spec.HasField("decay_mult"))
+            self._capable.append(capable)
+            if capable and spec.lr_mult == 0:
+                blob.requires_grad_(False)
 
     def _current_input_shapes(self):
         return [tuple(self.blobs[n].shape) for n in self.inputs]

@@ -213,3 +213,21 @@ def test_backward_from_a_middle_layer_like_deepdream():
     net2.blobs["conv"].diff[...] = 1
     net2.backward(start="relu", end="conv")
     assert net2.params["conv"][0].diff.any() and not net2.params["ip"][0].diff.any()
+
+
+def test_learnable_params_as_caffe_lists_them():
+    # BatchNorm's statistics are learnable params with lr_mult 0 (Caffe adds those specs), so a
+    # solver keeps history for them as Caffe does; a shared blob takes the lr_mult another layer
+    # gives when its owner gives none, and mismatched multipliers are an error.
+    text = """
+    layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 dim: 4 dim: 4 } } }
+    layer { name: "bn" type: "BatchNorm" bottom: "x" top: "y" }
+    layer { name: "a" type: "InnerProduct" bottom: "y" top: "a" param { name: "w" }
+            inner_product_param { num_output: 2 bias_term: false } }
+    layer { name: "b" type: "InnerProduct" bottom: "y" top: "b" param { name: "w" lr_mult: 3 }
+            inner_product_param { num_output: 2 bias_term: false } }"""
+    net = Net(text, caffe.TRAIN)
+    assert len(net.learnable) == 4 and net.lr_mults == [0, 0, 0, 3]
+    assert net.learnable[3].requires_grad and not net.learnable[0].requires_grad
+    with pytest.raises(NetError, match="mismatched lr_mult"):
+        Net(text.replace('param { name: "w" }', 'param { name: "w" lr_mult: 2 }'), caffe.TRAIN)
