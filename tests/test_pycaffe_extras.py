@@ -185,3 +185,9 @@ def test_classifier_centre_crop_matches_caffe_predictions():
     np.testing.assert_array_equal(scores.argmax(1), z["lenet_ethereon/pred_10000"][:20])
     np.testing.assert_allclose(scores, z["lenet_ethereon/prob"][:20], atol=1e-5)
     assert clf.predict(images[:3]).shape == (3, 10)                     # 10 crops averaged
+
+
+def test_python_layer_missing_module_names_the_layer():
+    text = python_net("SimpleLayer").replace(f'module: "{__name__}"', 'module: "no_such_module_xyz"')
+    with pytest.raises(ValueError, match=r"Layer 'l0'.*no_such_module_xyz\.SimpleLayer"):
+        caffe.Net(text, caffe.TEST)
