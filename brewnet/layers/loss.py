@@ -186,7 +186,8 @@ class SoftmaxWithLoss(_Loss):
     Tops: loss (0-D) and optionally the probabilities (bottom shape). Params: softmax_param.axis,
     loss_param.ignore_label, normalization (default VALID) / deprecated normalize.
     Differs from torch: log p is clamped at log(FLT_MIN) and the gradient is always p - onehot;
-    BVLC Caffe cannot build the two-top form, brewnet can.
+    BVLC Caffe cannot build the two-top form, brewnet can (a diff on prob is ignored, as Caffe's
+    backward and InfogainLoss do).
     """
 
     exact_tops = None
@@ -206,8 +207,8 @@ class SoftmaxWithLoss(_Loss):
         x, label = bottoms
         axis = canonical_axis(self.param.softmax_param.axis, x.dim(), self)
         tops = [softmax_loss(x, label, axis, self.ignore, self.mode)]
-        if self.num_tops > 1:
-            tops.append(torch.softmax(x, axis))
+        if self.num_tops > 1:  # Caffe's backward reads only the loss diff: no gradient via prob
+            tops.append(torch.softmax(x.detach(), axis))
         return tops
 
 
