@@ -187,15 +187,18 @@ class Power(Neuron):
         return [power(bottoms[0], f32(p.power), f32(p.scale), f32(p.shift))]
 
 
+def _check_base(layer, base: float) -> None:
+    if base != -1 and base <= 0:
+        raise layer.fail(f"base must be strictly positive (or -1 for e), got {base}")
+
+
 @register("Exp")
 class Exp(Neuron):
     """base ** (shift + scale * x), base -1 = e. Shapes: any -> same.
     Params: exp_param.{base, scale, shift}; base must be positive (or -1)."""
 
     def setup(self, bottom_shapes):
-        base = self.param.exp_param.base
-        if base != -1 and base <= 0:
-            raise self.fail(f"base must be strictly positive (or -1 for e), got {base}")
+        _check_base(self, self.param.exp_param.base)
 
     def forward(self, bottoms):
         p = self.param.exp_param
@@ -208,9 +211,7 @@ class Log(Neuron):
     Params: log_param.{base, scale, shift}; base must be positive (or -1)."""
 
     def setup(self, bottom_shapes):
-        base = self.param.log_param.base
-        if base != -1 and base <= 0:
-            raise self.fail(f"base must be strictly positive (or -1 for e), got {base}")
+        _check_base(self, self.param.log_param.base)
 
     def forward(self, bottoms):
         p = self.param.log_param
