@@ -1,22 +1,22 @@
 """brewnet: Caffe, reborn as a Python toolkit on PyTorch.
 
-``import brewnet as caffe`` gives pycaffe's surface: ``caffe.Net(prototxt, caffe.TEST,
-weights=...)``, ``caffe.SGDSolver(path)``, ``caffe.set_mode_gpu()``, ``caffe.io`` ...
+``import brewnet as caffe`` gives pycaffe's surface (``brewnet.pycaffe``, re-exported here):
+``caffe.Net(prototxt, caffe.TEST, weights=...)``, ``caffe.SGDSolver(path)``,
+``caffe.set_mode_gpu()``, ``caffe.io`` ... The core it sits on: ``brewnet.net.Net`` (torch
+tensors, per-layer steps), ``brewnet.layers``, ``brewnet.solvers``, ``brewnet.data``.
 """
 __version__ = "0.1.0"
 
-from . import io  # noqa: E402  (pycaffe's caffe.io)
 from . import layers  # noqa: E402  (also NetSpec's L: layers.Convolution(...))
+from .data import layers as _data_layers  # noqa: E402,F401  (registers Data, ImageData, HDF5Data...)
 from .layers import LAYERS as _LAYERS  # noqa: E402
 from .layers.python import Layer  # noqa: E402  (base class of Python layers)
-from .mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed  # noqa: E402
-from .net import Net, NetError  # noqa: E402
-from .classifier import Classifier  # noqa: E402
-from .net_spec import NetSpec, params, to_proto  # noqa: E402
+from .net import NetError  # noqa: E402
 from .proto import caffe_pb2  # noqa: E402
 from .proto.caffe_pb2 import TEST, TRAIN  # noqa: E402
-from .solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,  # noqa: E402
-                      RMSPropSolver, SGDSolver, get_solver)
+from .pycaffe import (AdaDeltaSolver, AdaGradSolver, AdamSolver, Classifier, NesterovSolver,  # noqa: E402
+                      Net, NetSpec, RMSPropSolver, SGDSolver, get_solver, io, params, set_device,
+                      set_mode_cpu, set_mode_gpu, set_random_seed, to_proto)
 
 
 def layer_type_list() -> list[str]:

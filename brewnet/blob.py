@@ -1,20 +1,41 @@
 """Blob: a named tensor with its diff, seen from Python as pycaffe's writable numpy arrays.
 
 On the CPU ``.data``/``.diff`` are numpy views sharing memory with the torch tensors. On CUDA
-they are host mirrors (Caffe's SyncedMemory): reading one copies device -> host and marks the
-mirror as possibly written, and the next use of ``.tensor`` copies it back.
+they are host mirrors (Caffe's SyncedMemory): reading one refreshes the mirror from the device
+(in place: the same array every time) and marks it as possibly written, and the next use of
+``.tensor`` copies it back.
+
+Memory is stable as in Caffe: the executor stores a computed value with ``write``, which copies
+into the existing memory while a numpy view of it is alive (so ``conv0 = blob.data[0, 0]`` shows
+the next forward's values) and otherwise just takes the new tensor (no copy: nobody can tell).
+``reshape`` keeps the memory when the new shape fits in it (Caffe's Reshape and capacity).
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
+
+
+def _fit(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """A contiguous tensor of ``shape`` on ``t``'s memory when it is large enough, else None."""
+    n = 1
+    for d in shape:
+        n *= d
+    storage = t.untyped_storage()
+    if (t.storage_offset() + n) * t.element_size() > storage.nbytes():
+        return None
+    return torch.empty((0,), dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), shape)
 
 
 class Blob:
     def __init__(self, tensor: torch.Tensor, diff: torch.Tensor | None = None):
         self._t = tensor
         self._d = torch.zeros_like(tensor) if diff is None else diff
-        self._host: dict[str, np.ndarray] = {}   # CUDA only: name -> mirror handed out
+        self._host: dict[str, np.ndarray] = {}      # CUDA: which -> mirror handed out
+        self._dirty: set[str] = set()               # CUDA: mirrors that may have been written
+        self._views: dict[str, list] = {"data": [], "diff": []}   # weakrefs to handed-out arrays
 
     # -- torch side -------------------------------------------------------------------------
     @property
@@ -24,9 +45,10 @@ class Blob:
 
     @tensor.setter
     def tensor(self, t: torch.Tensor) -> None:
-        self._host.pop("data", None)
+        """Point the blob at ``t`` (old views keep the old memory; the executor uses ``write``)."""
+        self._dirty.discard("data")
         if t.shape != self._d.shape:   # a data-dependent top (Filter) changed shape in forward
-            self._host.pop("diff", None)
+            self._dirty.discard("diff")
             self._d = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
         self._t = t
 
@@ -37,23 +59,55 @@ class Blob:
 
     @diff_tensor.setter
     def diff_tensor(self, t: torch.Tensor) -> None:
-        self._host.pop("diff", None)
+        self._dirty.discard("diff")
         self._d = t
 
+    def write(self, t: torch.Tensor) -> None:
+        """Store a computed value as Caffe does: into the blob's memory while a view of it is
+        alive (reshaped to fit, keeping the memory when it is large enough), else take ``t``."""
+        if self._viewed("data"):
+            if t.shape != self._t.shape:
+                self.reshape(*t.shape)
+            self._dirty.discard("data")
+            with torch.no_grad():
+                self._t.copy_(t)
+        else:
+            self.tensor = t
+
+    def write_diff(self, g: torch.Tensor) -> None:
+        if self._viewed("diff") and g.shape == self._d.shape:
+            self._dirty.discard("diff")
+            with torch.no_grad():
+                self._d.copy_(g)
+        else:
+            self.diff_tensor = g
+
+    def _viewed(self, which: str) -> bool:
+        refs = self._views[which]
+        refs[:] = [r for r in refs if r() is not None]
+        return bool(refs) or which in self._host
+
     def _sync_to_device(self, which: str) -> None:
-        host = self._host.pop(which, None)
-        if host is not None:
+        if which in self._dirty:
+            self._dirty.discard(which)
             dst = self._t if which == "data" else self._d
             with torch.no_grad():
-                dst.copy_(torch.from_numpy(host))
+                dst.copy_(torch.from_numpy(self._host[which]))
 
     def _view(self, which: str) -> np.ndarray:
-        t = self._t if which == "data" else self._d
+        t = (self._t if which == "data" else self._d).detach()
         if t.device.type == "cpu":
-            return t.detach().numpy()
-        if which not in self._host:
-            self._host[which] = t.detach().cpu().numpy()
-        return self._host[which]
+            arr = t.numpy()
+            self._views[which].append(weakref.ref(arr))
+            return arr
+        host = self._host.get(which)
+        if which not in self._dirty:            # refresh from the device, in place when it fits
+            if host is None or host.shape != tuple(t.shape) or host.dtype != np.dtype(str(t.dtype)[6:]):
+                host = self._host[which] = t.cpu().numpy()
+            else:
+                np.copyto(host, t.cpu().numpy())
+        self._dirty.add(which)
+        return host
 
     # -- pycaffe side -----------------------------------------------------------------------
     @property
@@ -93,15 +147,25 @@ class Blob:
     width = property(lambda self: self._legacy(3))
 
     def reshape(self, *shape) -> None:
-        """Resize (pycaffe's ``blob.reshape(n, c, h, w)``); keeps device and dtype."""
+        """Resize (pycaffe's ``blob.reshape(n, c, h, w)``); keeps device and dtype, and the
+        memory when the new shape fits in it (Caffe's capacity rule; values are then whatever
+        the memory held, as in Caffe)."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         shape = tuple(int(d) for d in shape)
-        if shape != self.shape:
-            t = self._t
-            self._host.clear()
-            self._t = torch.zeros(shape, dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad and t.is_leaf)
-            self._d = torch.zeros(shape, dtype=t.dtype, device=t.device)
+        if shape == self.shape:
+            return
+        for which in ("data", "diff"):
+            self._sync_to_device(which)
+        t, d = self._t.detach(), self._d.detach()
+        self._host.clear()
+        self._dirty.clear()
+        grad = self._t.requires_grad and self._t.is_leaf
+        new_t = _fit(t, shape)
+        self._t = (new_t if new_t is not None else torch.zeros(shape, dtype=t.dtype, device=t.device)
+                   ).requires_grad_(grad)
+        new_d = _fit(d, shape)
+        self._d = new_d if new_d is not None else torch.zeros(shape, dtype=d.dtype, device=d.device)
 
     def __repr__(self) -> str:
         return f"Blob(shape={self.shape})"
@@ -123,7 +187,8 @@ class ParamBlob(Blob):
 
     def __init__(self, layer, index: int):
         self._layer, self._index = layer, index
-        self._host = {}
+        self._host, self._dirty = {}, set()
+        self._views = {"data": [], "diff": []}
 
     @property
     def _t(self):

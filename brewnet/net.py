@@ -1,9 +1,17 @@
 """Net: a DAG of layers over named blobs, built from a NetParameter for one NetState.
 
-Forward runs the layers in prototxt order with torch ops; backward is autograd, seeded as
-Caffe's backward is: every loss top by its loss weight (stored in the top's diff), every other
-net output by whatever its diff holds. In-place layers (top == bottom) rebind the blob name to the
-new value; the blob's diff is the gradient of the first value bound to the name, as in Caffe.
+Forward runs the layers in prototxt order with torch ops and stores each top with
+``Blob.write`` (into the blob's memory while a numpy view of it is alive, as Caffe's blobs keep
+theirs). Backward is autograd, seeded as Caffe's backward is: every loss top by its loss weight
+(stored in the top's diff), every other output of the range by whatever its diff holds. In-place
+layers (top == bottom) rebind the blob name to the new value; the blob's diff is the gradient of
+the first value bound to the name, as in Caffe.
+
+One executor, two speeds. ``forward_tensors``/``backward_tensors`` run a range in one autograd
+graph (the training path). The per-layer steps ``forward_layer(i)``/``backward_layer(i)`` run one
+layer from its bottom blobs to its top blobs and from its top diffs to its bottom diffs (what
+``brewnet time`` measures, and what a backward runs where no recorded graph covers the range:
+the layer's forward is re-run under autograd on the blobs' current data, its tops untouched).
 """
 from __future__ import annotations
 
@@ -14,14 +22,17 @@ from typing import Sequence
 
 import torch
 
-from .blob import Blob, ParamBlob
+from .blob import Blob
+from .data import layers as _data_layers  # noqa: F401  (registers the database readers)
+from .errors import NetError
 from .fusion import Folder
-from .layers import Layer, LayerError, layer_class
+from .layers import Layer, layer_class
+from .params import LearnableParams
 from .passes import filter_net, make_state
 from .proto import caffe_pb2 as pb
-from .pycaffe import NetError, PycaffeNet
 
 log = logging.getLogger("brewnet")
+__all__ = ["Net", "NetError"]
 
 
 def _load_param(source) -> "pb.NetParameter":
@@ -43,12 +54,17 @@ def _nhwc(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class Net(PycaffeNet):
-    """A Caffe network.
+class Net:
+    """A Caffe network (the core: torch tensors; pycaffe's numpy surface is ``brewnet.Net``).
 
-    ``Net(prototxt, phase, level=0, stages=(), weights=None)``; ``prototxt`` is a path, a
-    NetParameter or prototxt text. pycaffe's older orders ``Net(prototxt, phase)`` and
+    ``Net(prototxt, phase, level=0, stages=(), weights=None, device=None)``; ``prototxt`` is a
+    path, a NetParameter or prototxt text. pycaffe's older orders ``Net(prototxt, phase)`` and
     ``Net(prototxt, weights, phase)`` are accepted too.
+
+    Public structure: ``layer_list``, ``bottom_lists``/``top_lists`` (blob names per layer),
+    ``blobs``, ``shapes`` (blob name -> shape), ``propagate_down`` (per layer and bottom: may a
+    gradient flow there, Caffe's propagate_down and AllowForceBackward), ``bottom_need_backward``
+    (Caffe's: does it get one), ``learnable_params``, ``inputs``, ``outputs``.
     """
 
     def __init__(self, net, *args, level: int = 0, stages: Sequence[str] = (), weights=None,
@@ -64,7 +80,7 @@ class Net(PycaffeNet):
         self.phase = phase
         self.param = filter_net(param, make_state(phase, level, stages, param.state))
         self.name = self.param.name
-        from .mode import default_device
+        from .runtime import default_device
 
         self.device = torch.device(device) if device is not None else default_device()
         self._build()
@@ -73,20 +89,14 @@ class Net(PycaffeNet):
 
     # -- construction ----------------------------------------------------------------------
     def _build(self) -> None:
-        self.layer_list: list[Layer] = []              # torch side; pycaffe's views: .layers
+        self.layer_list: list[Layer] = []
         self.blobs: OrderedDict[str, Blob] = OrderedDict()
         self.bottom_lists: list[list[str]] = []
         self.top_lists: list[list[str]] = []
+        self.shapes: dict[str, tuple] = {}
+        self.propagate_down: list[list[bool]] = []
+        self.learnable_params = LearnableParams()
         self._loss_weights: dict[str, float] = {}     # blob name -> weight (Caffe's blob_loss_weights)
-        self._propagate: list[list[bool]] = []
-        self._owners: dict[str, tuple[Layer, int]] = {}  # shared param name -> owning (layer, index)
-        self.lr_mults: list[float] = []                # per learnable param, in self.learnable order
-        self.decay_mults: list[float] = []
-        self.learnable: list[torch.Tensor] = []
-        self._has_lr: list[bool] = []                  # per learnable: lr_mult/decay_mult given,
-        self._has_decay: list[bool] = []               # and whether it can be learned at all
-        self._capable: list[bool] = []
-        self._shapes: dict[str, tuple] = {}
         names = set()
         for lp in self.param.layer:
             if lp.name in names:  # Caffe allows it (mnist_autoencoder has two 'loss' layers)
@@ -99,11 +109,12 @@ class Net(PycaffeNet):
         self.outputs = sorted(b for b in self.blobs if b not in consumed)
         self.inputs = [t for l, ts in zip(self.layer_list, self.top_lists) if l.type == "Input" for t in ts]
         self.layer_by_name = {l.name: l for l in self.layer_list}
-        self.params = OrderedDict((l.name, [ParamBlob(l, i) for i in range(len(l.blobs))])
-                                  for l in self.layer_list if l.blobs)
         self._needs_backward = self.param.force_backward or any(w != 0 for w in self._loss_weights.values())
+        self._plan_backward()
         self._input_shapes = self._current_input_shapes()
         self._frontiers: dict[tuple[int, int], list] = {}
+        self._ran: dict[int, tuple[list, list, bool]] = {}   # layer -> (bottoms, tops, connected)
+        self._fed: dict[str, tuple] = {}       # step API: input blob -> (its tensor, NHWC copy)
         self._folder = Folder(self)
         self._reset_loss_diffs()
         # oneDNN's CPU convolutions and pooling run much faster on NHWC activations
@@ -130,23 +141,12 @@ class Net(PycaffeNet):
         for t in lp.top:
             if t in self.blobs and t not in bottoms:
                 raise NetError(f"Layer '{lp.name}': top blob '{t}' is produced by multiple layers")
-        try:
-            layer.check_counts(len(bottoms), len(lp.top))
-            shapes = [self._shapes[b] for b in bottoms]
-            layer.setup(shapes)
-            tops = self._reshape_layer(layer, shapes)
-        except (LayerError, NetError):
-            raise
-        except Exception as e:  # a layer bug or an unexpected param: name the layer at least
-            if not layer.wrap_errors:
-                raise
-            raise NetError(f"Layer '{lp.name}' (type {lp.type}) failed to set up for bottom shapes "
-                           f"{[self._shapes[b] for b in bottoms]}: {e}") from e
+        tops = layer.set_up([self.shapes[b] for b in bottoms])
         self.layer_list.append(layer)
         self.bottom_lists.append(bottoms)
         self.top_lists.append(list(lp.top))
         for t, s in zip(lp.top, tops):
-            self._shapes[t] = s
+            self.shapes[t] = s
             if t not in self.blobs:
                 self.blobs[t] = Blob(torch.zeros(s, dtype=torch.float32))
         # Loss weights: explicit per top, else 1 on top[0] of a loss layer.
@@ -160,56 +160,25 @@ class Net(PycaffeNet):
         pd = list(lp.propagate_down)
         if pd and len(pd) != len(bottoms):
             raise NetError(f"Layer '{lp.name}': propagate_down must be given once per bottom")
-        self._propagate.append([(pd[j] if pd else True) and layer.allow_backward(j)
-                                for j in range(len(bottoms))])
-        self._append_params(layer, lp)
+        self.propagate_down.append([(pd[j] if pd else True) and layer.allow_backward(j)
+                                    for j in range(len(bottoms))])
+        self.learnable_params.append_layer(layer, lp)
 
-    def _reshape_layer(self, layer: Layer, shapes) -> list[tuple]:
-        tops = [tuple(int(d) for d in s) for s in layer.reshape(shapes)]
-        if len(tops) != len(layer.param.top):
-            raise NetError(f"Layer '{layer.name}': produced {len(tops)} top shapes for "
-                           f"{len(layer.param.top)} tops")
-        return tops
-
-    def _append_params(self, layer: Layer, lp) -> None:
-        """Caffe's ``AppendParam``: every owned blob is a learnable param (BatchNorm's statistics
-        too, with lr_mult 0, so solver states line up with Caffe's); a blob shared by name takes
-        an lr_mult/decay_mult the owner left unset, and a mismatch is an error."""
-        if len(lp.param) > len(layer.blobs):
-            raise NetError(f"Layer '{lp.name}': {len(lp.param)} param specs for "
-                           f"{len(layer.blobs)} parameter blobs")
-        for j in range(len(layer.blobs)):
-            spec = lp.param[j] if j < len(lp.param) else pb.ParamSpec()
-            if spec.name and spec.name in self._owners:
-                owner, k, idx = self._owners[spec.name]
-                src, dst = owner.blobs[k], layer.blobs[j]
-                strict = spec.share_mode == pb.ParamSpec.STRICT
-                if (tuple(src.shape) != tuple(dst.shape)) if strict else (src.numel() != dst.numel()):
-                    raise NetError(f"Layer '{lp.name}': cannot share param '{spec.name}' of shape "
-                                   f"{tuple(src.shape)} (layer '{owner.name}') with shape {tuple(dst.shape)}")
-                layer.blobs[j] = src if tuple(src.shape) == tuple(dst.shape) else src.view(dst.shape)
-                for field, values, given in (("lr_mult", self.lr_mults, self._has_lr),
-                                             ("decay_mult", self.decay_mults, self._has_decay)):
-                    if spec.HasField(field):
-                        if given[idx] and values[idx] != getattr(spec, field):
-                            raise NetError(f"Layer '{lp.name}': shared param '{spec.name}' has "
-                                           f"mismatched {field} ({getattr(spec, field)} vs {values[idx]})")
-                        given[idx], values[idx] = True, getattr(spec, field)
-                if self._capable[idx]:
-                    src.requires_grad_(self.lr_mults[idx] != 0)
-                continue
-            blob = layer.blobs[j]
-            capable = blob.requires_grad            # BatchNorm's statistics are never learned
-            if spec.name:
-                self._owners[spec.name] = (layer, j, len(self.learnable))
-            self.learnable.append(blob)
-            self.lr_mults.append(spec.lr_mult if capable else 0.0)
-            self.decay_mults.append(spec.decay_mult)
-            self._has_lr.append(spec.HasField("lr_mult") or not capable)
-            self._has_decay.append(spec.HasField("decay_mult"))
-            self._capable.append(capable)
-            if capable and spec.lr_mult == 0:
-                blob.requires_grad_(False)
+    def _plan_backward(self) -> None:
+        """Caffe's need-backward flags: a layer needs backward when a bottom needs it or it has
+        a param with a gradient; its tops then need it; inputs need it under force_backward."""
+        need: dict[str, bool] = {}
+        self.bottom_need_backward: list[list[bool]] = []
+        for layer, bottoms, tops, prop in zip(self.layer_list, self.bottom_lists, self.top_lists,
+                                              self.propagate_down):
+            flags = [p and (need.get(b, False) or bool(self.param.force_backward))
+                     for b, p in zip(bottoms, prop)]
+            self.bottom_need_backward.append(flags)
+            reaches = (bool(self.param.force_backward) if layer.type == "Input"
+                       else any(flags) or any(p.requires_grad for p in layer.blobs))
+            for t in tops:
+                need[t] = reaches
+        self._blob_needs = need
 
     def _current_input_shapes(self):
         return [tuple(self.blobs[n].shape) for n in self.inputs]
@@ -217,26 +186,26 @@ class Net(PycaffeNet):
     def _reset_loss_diffs(self) -> None:
         for name, w in self._loss_weights.items():
             b = self.blobs[name]
-            b.diff_tensor = torch.full_like(b.tensor.detach(), w)
+            b.write_diff(torch.full_like(b.tensor.detach(), w))
 
     def reshape(self) -> None:
         """Re-infer every shape from the input blobs' current shapes (Caffe's ``Net::Reshape``)."""
         for n in self.inputs:
-            self._shapes[n] = self.blobs[n].shape
+            self.shapes[n] = self.blobs[n].shape
         for layer, bottoms, tops in zip(self.layer_list, self.bottom_lists, self.top_lists):
             if layer.type == "Input":
                 continue
-            new = self._reshape_layer(layer, [self._shapes[b] for b in bottoms])
-            for t, s in zip(tops, new):
-                self._shapes[t] = s
-        for name, s in self._shapes.items():
+            for t, s in zip(tops, layer.top_shapes([self.shapes[b] for b in bottoms])):
+                self.shapes[t] = s
+        for name, s in self.shapes.items():
             if name not in self.inputs:
                 self.blobs[name].reshape(*s)
         self._input_shapes = self._current_input_shapes()
         self._reset_loss_diffs()
 
     def to(self, device=None, dtype=None) -> "Net":
-        """Move (and optionally cast) every blob and parameter, keeping parameter sharing."""
+        """Move (and optionally cast) every blob and parameter, keeping parameter sharing.
+        Process-wide settings for the device are ``brewnet.runtime.configure``'s job."""
         device = torch.device(device) if device is not None else self.device
         moved: dict[int, torch.Tensor] = {}
 
@@ -251,20 +220,62 @@ class Net(PycaffeNet):
             layer.blobs = [mv(b) if b._base is None else mv(b._base).view(b.shape) for b in layer.blobs]
             if hasattr(layer, "to"):
                 layer.to(device=device, dtype=dtype)
-        self.learnable = [moved.get(id(t), t) for t in self.learnable]
+        self.learnable_params.remap(moved)
         for b in self.blobs.values():
             b.tensor = b.tensor.detach().to(device=device, dtype=dtype or b.tensor.dtype)
             b.diff_tensor = b.diff_tensor.to(device=device, dtype=dtype or b.diff_tensor.dtype)
         self._channels_last = self._channels_last and device.type == "cpu"
-        if device.type == "cuda":
-            # cuDNN's default TF32 convolutions are ~1e-3 off; Caffe's numbers need true float32.
-            torch.backends.cudnn.allow_tf32 = False
+        self._ran, self._fed = {}, {}
         self.device = device
         return self
 
-    # -- running ----------------------------------------------------------------------------
-    def _index(self, name_or_index, default: int) -> int:
+    # -- what solvers and tools read ---------------------------------------------------------
+    @property
+    def learnable(self) -> list[torch.Tensor]:
+        return self.learnable_params.tensors
+
+    @property
+    def lr_mults(self) -> list[float]:
+        return self.learnable_params.lr_mults
+
+    @property
+    def decay_mults(self) -> list[float]:
+        return self.learnable_params.decay_mults
+
+    @property
+    def blob_loss_weights(self) -> "OrderedDict[str, float]":
+        return OrderedDict((n, self._loss_weights.get(n, 0.0)) for n in self.blobs)
+
+    def copy_from(self, path) -> None:
+        """Load weights from a ``.caffemodel`` (binary or legacy V1) or ``.caffemodel.h5``."""
+        from .weights import load_weights
+
+        load_weights(self, path)
+
+    def save(self, path) -> None:
+        """Write the net with its weights as a binary ``.caffemodel`` (atomically)."""
+        from .weights import save_weights
+
+        save_weights(self, path)
+
+    def share_with(self, other: "Net") -> None:
+        """Use ``other``'s parameter tensors in the layers both nets name (Caffe's
+        ``ShareTrainedLayersWith``; a solver's test nets share the train net's weights)."""
+        for layer in self.layer_list:
+            src = other.layer_by_name.get(layer.name)
+            if src is None or not layer.blobs:
+                continue
+            if [tuple(b.shape) for b in src.blobs] != [tuple(b.shape) for b in layer.blobs]:
+                raise NetError(f"share_with: layer '{layer.name}' has param shapes "
+                               f"{[tuple(b.shape) for b in layer.blobs]} here and "
+                               f"{[tuple(b.shape) for b in src.blobs]} in the other net")
+            layer.blobs = list(src.blobs)
+
+    def layer_index(self, name_or_index, default: int | None = None) -> int:
+        """A layer's index from its name (or an index, returned as it is)."""
         if name_or_index is None:
+            if default is None:
+                raise NetError("layer_index: no layer given")
             return default
         if isinstance(name_or_index, int):
             return name_or_index
@@ -273,33 +284,27 @@ class Net(PycaffeNet):
         except ValueError:
             raise NetError(f"no layer named '{name_or_index}'") from None
 
+    _index = layer_index
+
+    # -- whole passes -----------------------------------------------------------------------
     def forward_tensors(self, start=None, end=None) -> torch.Tensor:
         """Run layers ``start..end`` (names or indices, inclusive); returns the weighted loss."""
         i0, i1 = self._index(start, 0), self._index(end, len(self.layer_list) - 1)
         if self._current_input_shapes() != self._input_shapes:
             self.reshape()
         grad = self._needs_backward and torch.is_grad_enabled()
-        if i0 == 0 or not hasattr(self, "_ran"):
+        if i0 == 0:
             # Per-layer bottoms/tops as computed, for backward over any range (grad mode only:
             # in inference they would keep every in-place intermediate alive).
-            self._ran: dict[int, tuple[list, list]] = {}
-        fed: dict[str, torch.Tensor] = {}
+            self._ran = {}
+        self._fed = {}
+        cur: dict[str, torch.Tensor] = {}      # this pass's values, as the layers see them
         if i0 == 0:
             for j, layer in enumerate(self.layer_list):
-                if layer.type != "Input":
-                    continue
-                ts = []
-                for n in self.top_lists[j]:
-                    t = self.blobs[n].tensor
-                    if self.param.force_backward and t.is_floating_point() and not t.requires_grad:
-                        t = t.detach().requires_grad_(True)
-                        self.blobs[n].tensor = t
-                    ts.append(t)
-                    if self._channels_last and t.dim() == 4:
-                        # The blob stays NCHW for numpy users; the layers compute in NHWC.
-                        fed[n] = _nhwc(t)
-                if grad:
-                    self._ran[j] = ([], ts)
+                if layer.type == "Input":
+                    ts = [self._input_value(n, cur) for n in self.top_lists[j]]
+                    if grad:
+                        self._ran[j] = ([], ts, True)
         loss = torch.zeros((), device=self.device)
         chains = {} if grad else self._folder.chains
         with torch.set_grad_enabled(grad):
@@ -312,25 +317,47 @@ class Net(PycaffeNet):
                 last = chains.get(i, i1 + 1)
                 if last <= i1:  # Convolution -> BatchNorm -> Scale folded into one convolution
                     b = self.bottom_lists[i][0]
-                    x = fed[b] if b in fed else self.blobs[b].tensor
                     top = self.top_lists[i][0]
-                    self.blobs[top].tensor = self._folder.run(i, x)
-                    fed.pop(top, None)   # an in-place chain on an input: later layers read its result
+                    cur[top] = self._folder.run(i, cur[b] if b in cur else self.blobs[b].tensor)
+                    self.blobs[top].write(cur[top])
                     i = last
                     continue
-                bottoms = [fed[b] if b in fed else self.blobs[b].tensor for b in self.bottom_lists[i]]
-                if not all(self._propagate[i]):
-                    bottoms = [b if p else b.detach() for b, p in zip(bottoms, self._propagate[i])]
+                for b in self.bottom_lists[i]:
+                    if b not in cur:
+                        cur[b] = self._leaf(b, grad)
+                bottoms = [cur[b] for b in self.bottom_lists[i]]
+                if not all(self.propagate_down[i]):
+                    bottoms = [b if p else b.detach() for b, p in zip(bottoms, self.propagate_down[i])]
                 tops = layer.forward(bottoms)
                 if grad:
-                    self._ran[i] = (bottoms, tops)
+                    self._ran[i] = (bottoms, tops, True)
                 for name, t in zip(self.top_lists[i], tops):
-                    self.blobs[name].tensor = t
-                    fed.pop(name, None)   # in place on an input: the NHWC copy is stale now
+                    cur[name] = t
+                    self.blobs[name].write(t)
                     w = self._loss_weights.get(name)
                     if w:
                         loss = loss + w * t.detach().sum()
         return loss
+
+    def _input_value(self, name: str, cur: dict) -> torch.Tensor:
+        """An input blob's tensor for a pass (a leaf with a gradient under force_backward); the
+        layers get it in NHWC on a CPU conv net (the blob itself stays NCHW for numpy users)."""
+        blob = self.blobs[name]
+        t = blob.tensor
+        if self.param.force_backward and t.is_floating_point() and not t.requires_grad:
+            t = t.detach().requires_grad_(True)
+            blob.tensor = t
+        cur[name] = _nhwc(t) if self._channels_last and t.dim() == 4 else t
+        return t
+
+    def _leaf(self, name: str, grad: bool) -> torch.Tensor:
+        """A bottom read from its blob (not computed in this pass): under autograd, a leaf on
+        the blob's memory when Caffe would backpropagate to it, so a backward over the range
+        gives its diff."""
+        t = self.blobs[name].tensor
+        if grad and self._blob_needs.get(name, False) and t.is_floating_point():
+            return t.detach().requires_grad_(True)
+        return t
 
     def _frontier(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """(layer, top index) pairs that seed a backward over layers lo..hi: tops with a loss
@@ -350,13 +377,18 @@ class Net(PycaffeNet):
         """Backpropagate over layers ``start`` down to ``end`` (default: all), seeded as Caffe:
         loss tops by their loss weight, the range's other outputs by their diffs. Accumulates
         parameter ``.grad`` (Caffe's param diffs); with ``blob_diffs`` also writes blob diffs
-        (an in-place blob's diff is the gradient of the value its first producer wrote)."""
-        if not self._needs_backward or not getattr(self, "_ran", None):
+        (an in-place blob's diff is the gradient of the value its first producer wrote).
+        Where no forward of this net recorded the range, the layers run one by one on the
+        blobs' current data and diffs (Caffe's backward needs no forward in the same process)."""
+        if not self._needs_backward:
             return
         hi = self._index(start, len(self.layer_list) - 1)
         lo = self._index(end, 0)
-        if any(j not in self._ran for j in range(lo, hi + 1)):
-            raise NetError(f"backward over layers {lo}..{hi} needs a forward over them first")
+        if not all(self._ran.get(j, (0, 0, False))[2] for j in range(lo, hi + 1)):
+            done: set[str] = set()
+            for j in range(hi, lo - 1, -1):
+                self.backward_layer(j, done, blob_diffs)
+            return
         seeds, grads = [], []
         for j, k in self._frontier(lo, hi):
             t = self._ran[j][1][k]
@@ -370,7 +402,7 @@ class Net(PycaffeNet):
             return
         targets: dict[str, torch.Tensor] = {}
         for j in range(lo, hi + 1):
-            bottoms, tops = self._ran[j]
+            bottoms, tops, _ = self._ran[j]
             for name, t in zip(self.bottom_lists[j], bottoms):
                 targets.setdefault(name, t)
             for name, t in zip(self.top_lists[j], tops):
@@ -384,15 +416,88 @@ class Net(PycaffeNet):
                                       allow_unused=True, retain_graph=True)
         for n, g in zip(names, got[:len(names)]):
             b = self.blobs[n]
-            b.diff_tensor = torch.zeros(b.shape, dtype=b.tensor.dtype, device=b.tensor.device) \
-                if g is None else g.detach()
+            b.write_diff(torch.zeros(b.shape, dtype=b.tensor.dtype, device=b.tensor.device)
+                         if g is None else g.detach())
         for p, g in zip(params, got[len(names):]):
-            if g is not None:
-                if p.grad is None:
-                    p.grad = g.detach().clone()
-                else:
-                    p.grad += g
+            _add_grad(p, g)
 
+    # -- per-layer steps --------------------------------------------------------------------
+    def forward_layer(self, i: int) -> list[torch.Tensor]:
+        """Run layer ``i`` alone (Caffe's ``ForwardFromTo(i, i)``): its bottoms read from their
+        blobs (as leaves where Caffe would backpropagate), its tops written to theirs; records
+        the layer's own graph for ``backward_layer``. Returns the tops."""
+        layer = self.layer_list[i]
+        grad = self._needs_backward and torch.is_grad_enabled()
+        if layer.type == "Input":
+            self._fed = {}
+            for n in self.top_lists[i]:
+                t = self.blobs[n].tensor
+                if self._channels_last and t.dim() == 4:   # the conversion is the Input's work
+                    self._fed[n] = (t, _nhwc(t))
+            return [self.blobs[n].tensor for n in self.top_lists[i]]
+        bottoms = self._bottoms_alone(i, grad)
+        with torch.set_grad_enabled(grad):
+            tops = layer.forward(bottoms)
+        if grad:
+            self._ran[i] = (bottoms, tops, False)
+        for name, t in zip(self.top_lists[i], tops):
+            self.blobs[name].write(t)
+        return tops
+
+    def _bottoms_alone(self, i: int, grad: bool) -> list[torch.Tensor]:
+        out = []
+        for j, name in enumerate(self.bottom_lists[i]):
+            t = self.blobs[name].tensor
+            fed = self._fed.get(name)
+            x = (fed[1] if fed is not None and fed[0] is t else t).detach()
+            if grad and self.bottom_need_backward[i][j] and x.is_floating_point():
+                x.requires_grad_(True)
+            out.append(x)
+        return out
+
+    def backward_layer(self, i: int, done: set | None = None, blob_diffs: bool = True) -> None:
+        """Layer ``i``'s backward alone (Caffe's ``BackwardFromTo(i, i)``): from its tops' diffs
+        to its bottoms' diffs (overwritten, as Caffe's) and its params' gradients (accumulated).
+        Over a pass, ``done`` collects the blob names already given a diff, so a blob several
+        layers read sums their diffs (what Caffe's inserted Split layers do). Without a recorded
+        graph the layer's forward is re-run on the blobs' current data (tops left as they are)."""
+        layer = self.layer_list[i]
+        if layer.type == "Input" or not self._needs_backward:
+            return
+        graph = self._ran.get(i)
+        if graph is None:
+            bottoms = self._bottoms_alone(i, True)
+            with torch.enable_grad():
+                graph = (bottoms, layer.forward(bottoms), False)
+        bottoms, tops, _ = graph
+        seeds, grads = [], []
+        for name, t in zip(self.top_lists[i], tops):
+            if t.requires_grad:
+                seeds.append(t)
+                grads.append(self.blobs[name].diff_tensor.to(t.dtype))
+        params = [p for p in self._all_params([layer]) if p.requires_grad]
+        wanted = [(n, b) for n, b, need in zip(self.bottom_lists[i], bottoms, self.bottom_need_backward[i])
+                  if need and b.requires_grad] if blob_diffs else []
+        wrt = [b for _, b in wanted] + params
+        if not seeds or not wrt:
+            return
+        got = torch.autograd.grad(seeds, wrt, grads, allow_unused=True, retain_graph=True)
+        if done is None:
+            done = set()
+        done.difference_update(self.top_lists[i])      # in place: the top's diff is used up
+        for (name, b), g in zip(wanted, got):
+            g = torch.zeros_like(b) if g is None else g.detach()
+            blob = self.blobs[name]
+            if name in done:
+                blob.write_diff(blob.diff_tensor + g)
+            else:
+                blob.write_diff(g)
+                done.add(name)
+        for p, g in zip(params, got[len(wanted):]):
+            # A fresh gradient is taken as it is, unless it is a seed itself (a Parameter top).
+            _add_grad(p, g, copy=any(g is s for s in grads))
+
+    # -- parameters -------------------------------------------------------------------------
     def _range_params(self, lo: int, hi: int) -> list[torch.Tensor]:
         return self._all_params(self.layer_list[lo:hi + 1])
 
@@ -413,3 +518,13 @@ class Net(PycaffeNet):
 
     def __repr__(self) -> str:
         return f"Net(name={self.name!r}, layers={len(self.layer_list)}, blobs={len(self.blobs)})"
+
+
+def _add_grad(p: torch.Tensor, g: torch.Tensor | None, copy: bool = True) -> None:
+    """Caffe accumulates param diffs until the solver clears them (torch's ``.grad``)."""
+    if g is None:
+        return
+    if p.grad is None:
+        p.grad = g.detach().clone() if copy else g.detach()
+    else:
+        p.grad += g

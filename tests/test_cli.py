@@ -17,7 +17,7 @@ from google.protobuf import text_format
 import brewnet as caffe
 from brewnet.cli import COMMANDS, main
 from brewnet.layers import LAYERS
-from brewnet.logparse import parse_log
+from brewnet.analysis.logparse import parse_log
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import blob_to_array, read_binary, read_net, write_text
 
@@ -158,7 +158,7 @@ def test_time_lenet_deploy(spelling, capsys):
 
 def test_time_backward_is_the_real_gradient():
     """The per-layer backward that ``time`` measures computes the net's true gradients."""
-    from brewnet.timing import layerwise_gradients
+    from brewnet.analysis.timing import layerwise_gradients
 
     text = LENET_DEPLOY.read_text().replace("dim: 64", "dim: 3")
     param = text_format.Parse(text, pb.NetParameter())

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import brewnet as caffe
-from brewnet.net import Net
+from brewnet import Net
 
 from helpers import MODELS
 

@@ -13,7 +13,7 @@ import torch
 
 import test_golden_layers as golden
 from brewnet.layers import functional as Fn
-from brewnet.memory import keep_freed_memory
+from brewnet.runtime import keep_freed_memory
 from brewnet.solvers import fused, sgd
 from test_solvers import golden_solver
 
@@ -174,7 +174,7 @@ layer { name: "loss" type: "EuclideanLoss" bottom: "pool" bottom: "target" top: 
 
 
 def test_one_channel_input_still_computes_in_nhwc():
-    from brewnet.net import Net
+    from brewnet import Net
     from brewnet.proto import caffe_pb2 as pb
     net = Net(ONE_CHANNEL, pb.TRAIN)
     g = torch.Generator().manual_seed(0)

@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pytest
 
-from brewnet.net import Net
+from brewnet import Net
 from brewnet.proto import caffe_pb2 as pb
 
 from helpers import GOLDEN

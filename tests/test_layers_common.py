@@ -407,7 +407,7 @@ def test_flatten_gradcheck():
 
 def test_silence_backward_gives_zero_diff():
     # Caffe's Silence writes zeros into its bottoms' diffs: in a net a silenced blob gets none.
-    from brewnet.net import Net
+    from brewnet import Net
 
     net = Net("""force_backward: true
       layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } }

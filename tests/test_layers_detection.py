@@ -360,7 +360,7 @@ def _init_batchnorm(net):
 
 
 def test_mobilenet_ssd_deploy_runs():
-    from brewnet.net import Net
+    from brewnet import Net
     from brewnet.proto import caffe_pb2 as pb
 
     torch.manual_seed(0)
@@ -377,7 +377,7 @@ def test_mobilenet_ssd_deploy_runs():
 
 
 def test_mobilenet_ssd_train_loss_and_backward():
-    from brewnet.net import Net
+    from brewnet import Net
     from brewnet.proto import caffe_pb2 as pb
     from brewnet.proto.io import read_net
 

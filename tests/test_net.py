@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import brewnet as caffe
-from brewnet.net import Net, NetError
+from brewnet import Net, NetError
 from brewnet.passes import filter_net, make_state
 from brewnet.proto.io import parse_text
 from brewnet.proto import caffe_pb2 as pb

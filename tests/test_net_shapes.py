@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from brewnet.net import Net
+from brewnet import Net
 from brewnet.proto.io import read_net
 
 from helpers import GOLDEN, MODELS, swap_data_layers
@@ -31,7 +31,7 @@ def test_shapes_match_caffe(path):
     ref = NETS[path]
     net = build(path, ref.get("notes", []))
     want = {n: tuple(s) for n, s in ref["blobs"] if "_split_" not in n}
-    got = {n: tuple(net._shapes[n]) for n in net.blobs}
+    got = {n: tuple(net.shapes[n]) for n in net.blobs}
     assert got == want
     ref_params = {l["name"]: [tuple(p) for p in l["params"]] for l in ref["layers"] if l["type"] != "Split"}
     got_params = {l.name: [tuple(b.shape) for b in l.blobs] for l in net.layer_list}  # last of a duplicated name wins, as in Caffe
@@ -66,15 +66,15 @@ def test_fork_nets_build(path):
         k = re.search(r"DenseNet_(\d+)", path).group(1)
         learnable = sum(b.numel() for l in net.layer_list if l.type != "BatchNorm" for b in l.blobs)
         assert learnable == DENSENET[k]
-        assert net._shapes["pool1"][2:] == (56, 56)   # ceil_mode: false -> FLOOR (CEIL gives 57)
-        assert net._shapes["fc6"] == (1, 1000, 1, 1)
+        assert net.shapes["pool1"][2:] == (56, 56)   # ceil_mode: false -> FLOOR (CEIL gives 57)
+        assert net.shapes["fc6"] == (1, 1000, 1, 1)
         return
     n = net.blobs["data"].shape[0]
     priors = PRIORS[path.split("/")[0]]
-    assert net._shapes["mbox_priorbox"] == (1, 2, priors * 4)
-    assert net._shapes["mbox_loc"] == (n, priors * 4)
-    assert net._shapes["mbox_conf"] == (n, priors * 21)
+    assert net.shapes["mbox_priorbox"] == (1, 2, priors * 4)
+    assert net.shapes["mbox_loc"] == (n, priors * 4)
+    assert net.shapes["mbox_conf"] == (n, priors * 21)
     if "detection_out" in net.blobs:
-        assert net._shapes["detection_out"][-1] == 7
+        assert net.shapes["detection_out"][-1] == 7
     if "mbox_loss" in net.blobs:
-        assert net._shapes["mbox_loss"] == ()
+        assert net.shapes["mbox_loss"] == ()

@@ -183,7 +183,7 @@ def test_restore_2014_cifar_solverstates(tmp_path, monkeypatch, root, state, mod
     assert s.iter == st.iter and len(s.history) == len(st.history)
     for h, ref in zip(s.history, st.history):
         np.testing.assert_array_equal(h.numpy().reshape(-1), ref.reshape(-1))
-    from brewnet.net import Net
+    from brewnet import Net
     ref_net = Net(s.net.param, pb.TRAIN, weights=st.learned_net)
     for a, b in zip(s.net.learnable, ref_net.learnable):
         assert torch.equal(a.detach(), b.detach())

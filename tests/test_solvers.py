@@ -356,7 +356,8 @@ def test_test_nets_share_weights_and_average(caplog):
     accs, losses = [], []
     for i in range(3):
         out = ref.forward(data=b["data"][i], label=b["label"][i])
-        accs.append(out["accuracy"]), losses.append(out["loss"])
+        # float(): forward's arrays are views of the blobs (the next forward overwrites them).
+        accs.append(float(out["accuracy"])), losses.append(float(out["loss"]))
     assert s.test_scores[0]["accuracy"] == pytest.approx(np.mean(accs), abs=1e-6)
     assert s.test_scores[0]["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
     assert any(l.startswith("    Test net output #0: accuracy = ") for l in lines)

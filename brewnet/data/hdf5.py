@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..layers.base import register
-from ..layers.data import _Source
+from ..layers.data import SourceLayer
 from .source import check_batch
 from .transform import _seed_rng
 
@@ -26,7 +26,7 @@ def _resolve(name: str, list_path: str) -> str:
 
 
 @register("HDF5Data")
-class HDF5Data(_Source):
+class HDF5Data(SourceLayer):
     """Rows of HDF5 datasets named like the tops, from the files listed in ``source``, read in
     file order (or shuffled files and rows), wrapping around. Values become float32.
     Shapes: none -> one top per dataset, (batch_size,) + dataset.shape[1:].
@@ -113,7 +113,7 @@ class HDF5Data(_Source):
 
 
 @register("HDF5Output")
-class HDF5Output(_Source):
+class HDF5Output(SourceLayer):
     """Writes its two bottoms to datasets "data" and "label" of ``file_name`` (created, or
     truncated, at setup), in Caffe's 4-D (num, channels, height, width) layout.
     Shapes: data (N, ...), label (N, ...) -> no tops. Params: hdf5_output_param {file_name}.

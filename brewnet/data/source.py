@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ..layers.data import _Source
+from ..layers.data import SourceLayer
 from .db import DBError
 from .prefetch import Prefetcher
 from .transform import TransformError
@@ -28,7 +28,7 @@ class Loader:
         return self.next_batch()
 
 
-class Prefetching(_Source):
+class Prefetching(SourceLayer):
     """A data layer whose batches come from ``self.loader`` through a Prefetcher."""
 
     def start_loader(self, loader: Loader, depth: int) -> None:

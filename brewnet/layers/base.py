@@ -1,10 +1,14 @@
 """The Layer base class and the registry keyed by Caffe's type strings.
 
-Lifecycle (Caffe's ``SetUp``): ``__init__`` keeps the LayerParameter, ``setup`` reads params and
-creates ``blobs`` (learnable tensors in ``.caffemodel`` order) for the first bottom shapes,
-``reshape`` returns top shapes for given bottom shapes (called at build and whenever inputs
-change), ``forward`` maps bottom tensors to top tensors with torch ops. Autograd gives backward
-unless Caffe's gradient deliberately differs (then the layer uses an autograd.Function).
+Lifecycle, owned by the base (``set_up``, Caffe's ``SetUp``): check the bottom/top counts,
+``setup`` (Caffe's ``LayerSetUp``: read params, create ``blobs``, the learnable tensors in
+``.caffemodel`` order), then ``reshape`` (top shapes for given bottom shapes; again whenever
+inputs change, through ``top_shapes``). ``forward`` maps bottom tensors to top tensors with torch
+ops; autograd gives backward unless Caffe's gradient deliberately differs (then the layer uses an
+autograd.Function). What tools need to know of a layer it declares here too: ``routing`` (moves
+values, computes nothing), ``flops``, and ``allow_backward`` (bottoms that take no gradient).
+
+Adding a layer: one subclass with ``@register("Type")`` and one reference test row.
 """
 from __future__ import annotations
 
@@ -62,8 +66,10 @@ class Layer:
     is_loss: ClassVar[bool] = False
     # Layers whose top may be the same blob as their bottom without copying (ReLU, BatchNorm...).
     in_place_ok: ClassVar[bool] = True
-    # The Net names the layer in any setup error; user code (Python layers) raises as it is.
+    # set_up names the layer in any setup error; user code (Python layers) raises as it is.
     wrap_errors: ClassVar[bool] = True
+    # Data and routing layers move or select values: no arithmetic (0 FLOPs).
+    routing: ClassVar[bool] = False
 
     def __init__(self, param, phase: int):
         self.param = param            # caffe_pb2.LayerParameter
@@ -72,6 +78,29 @@ class Layer:
         self.blobs: list[torch.Tensor] = []
 
     # -- lifecycle -------------------------------------------------------------------------
+    def set_up(self, bottom_shapes: Sequence[Shape]) -> list[Shape]:
+        """Caffe's ``SetUp``: check counts, ``setup``, ``reshape``; returns the top shapes. An
+        unexpected exception becomes a LayerError naming the layer and the bottom shapes."""
+        shapes = [tuple(int(d) for d in s) for s in bottom_shapes]
+        try:
+            self.check_counts(len(shapes), self.num_tops)
+            self.setup(shapes)
+            return self.top_shapes(shapes)
+        except LayerError:
+            raise
+        except Exception as e:
+            if not self.wrap_errors:
+                raise
+            raise LayerError(f"Layer '{self.name}' (type {self.type}) failed to set up for bottom "
+                             f"shapes {shapes}: {e}") from e
+
+    def top_shapes(self, bottom_shapes: Sequence[Shape]) -> list[Shape]:
+        """``reshape`` with its result checked: one shape per top, as tuples of ints."""
+        tops = [tuple(int(d) for d in s) for s in self.reshape(bottom_shapes)]
+        if len(tops) != self.num_tops:
+            raise self.fail(f"produced {len(tops)} top shapes for {self.num_tops} tops")
+        return tops
+
     def setup(self, bottom_shapes: Sequence[Shape]) -> None:
         """Read params and create ``self.blobs`` (Caffe's LayerSetUp)."""
 
@@ -87,6 +116,11 @@ class Layer:
         """False for bottoms Caffe never differentiates (labels, indices): Caffe's
         ``AllowForceBackward``. The net detaches those bottoms."""
         return True
+
+    def flops(self, bottom_shapes: Sequence[Shape], top_shapes: Sequence[Shape]) -> int:
+        """FLOPs of one forward pass (a multiply-add counts 2). Default: one per output element
+        (elementwise work), none for routing layers; layers with real arithmetic override."""
+        return 0 if self.routing else sum(count(s) for s in top_shapes)
 
     # -- helpers ---------------------------------------------------------------------------
     @property

@@ -158,3 +158,37 @@ def match(gt, gt_ids, preds, match_type: int, overlap_threshold: float, ignore_c
     elif match_type != BIPARTITE:
         raise ValueError(f"unknown match_type {match_type}")
     return matches, best
+
+
+def legacy(shape, i: int) -> int:
+    """Caffe's ``Blob::LegacyShape``: num/channels/height/width, 1 past the last axis."""
+    return int(shape[i]) if i < len(shape) else 1
+
+
+def priors_from_blob(prior: torch.Tensor, num_priors: int):
+    """The fork's GetPriorBBoxes: boxes then variances from the start of the prior blob."""
+    flat = prior.detach().reshape(-1)[:2 * num_priors * 4].to("cpu", torch.float32)
+    return flat[:num_priors * 4].view(-1, 4), flat[num_priors * 4:].view(-1, 4)
+
+
+def ground_truth(label: torch.Tensor, background: int, use_difficult: bool, stop_at_pad: bool, who):
+    """The fork's GetGroundTruth over rows [item_id, label, instance, xmin, ymin, xmax, ymax,
+    difficult]: {item_id: (labels (G,) long, boxes (G, 4) float32, difficult (G,) bool)}.
+    Rows with item_id -1 are padding: skipped, or the end of the list if ``stop_at_pad``."""
+    rows = label.detach().to("cpu", torch.float64).reshape(-1, 8)
+    items: dict[int, list] = {}
+    for r in rows.tolist():
+        item = int(r[0])
+        if item == -1:
+            if stop_at_pad:
+                break
+            continue
+        lab, difficult = int(r[1]), bool(r[7])
+        if lab == background:
+            raise who.fail(f"found the background label {lab} in the ground truth")
+        if difficult and not use_difficult:
+            continue
+        items.setdefault(item, []).append((lab, r[3:7], difficult))
+    return {i: (torch.tensor([g[0] for g in gs], dtype=torch.long),
+                torch.tensor([g[1] for g in gs], dtype=torch.float32),
+                torch.tensor([g[2] for g in gs], dtype=torch.bool)) for i, gs in items.items()}

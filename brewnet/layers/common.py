@@ -48,6 +48,9 @@ class InnerProduct(Layer):
     exact_bottoms = 1
     exact_tops = 1
 
+    def flops(self, bottom_shapes, top_shapes):
+        return 2 * count(self.blobs[0].shape) * count(top_shapes[0]) // self.param.inner_product_param.num_output
+
     def setup(self, bottom_shapes):
         p = self.param.inner_product_param
         if p.num_output <= 0:
@@ -208,6 +211,7 @@ class Parameter(Layer):
     """Expose a learnable blob as the top (its diff is the top's diff).
     Shapes: no bottom -> parameter_param.shape. Blob: that shape, zero-filled as Caffe."""
 
+    routing = True
     exact_bottoms = 0
     exact_tops = 1
 

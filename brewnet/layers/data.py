@@ -13,9 +13,11 @@ from ..proto import caffe_pb2 as pb
 from .base import Layer, register
 
 
-class _Source(Layer):
-    """A layer without bottoms that owns the tensors it emits."""
+class SourceLayer(Layer):
+    """The base of every data layer: no bottoms, tops it makes itself (float32 on the CPU until
+    the net calls ``to``). The database readers in ``brewnet.data`` build on it."""
 
+    routing = True
     exact_bottoms = 0
     device = torch.device("cpu")
     dtype = torch.float32
@@ -27,7 +29,7 @@ class _Source(Layer):
 
 
 @register("Input")
-class Input(_Source):
+class Input(SourceLayer):
     """Declares the net's externally fed blobs. Shapes: none -> input_param.shape (one for all
     tops, or one per top; none: (0,) until the blobs are reshaped). The net fills these tops
     itself; ``forward`` gives Caffe's initial (zero) blobs."""
@@ -51,7 +53,7 @@ class Input(_Source):
 
 
 @register("DummyData")
-class DummyData(_Source):
+class DummyData(SourceLayer):
     """Tops filled by fillers. Shapes: dummy_data_param.shape (once or per top), or the legacy
     num/channels/height/width lists (each once or per top). data_filler: none (constant 0), one
     for all tops, or one per top. Constant fillers fill once at setup; every other filler
@@ -99,7 +101,7 @@ class DummyData(_Source):
 
 
 @register("MemoryData")
-class MemoryData(_Source):
+class MemoryData(SourceLayer):
     """Serves batches from arrays given with ``set_input_arrays(data, labels)``.
     Shapes: none -> data (batch_size, channels, height, width), label (batch_size,).
     Params: memory_data_param {batch_size, channels, height, width} (all required, positive).

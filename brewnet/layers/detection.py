@@ -1,13 +1,16 @@
-"""SSD layers from Wei Liu's Caffe fork (weiliu89/caffe, branch ssd) used at inference:
-Normalize, Permute, PriorBox, DetectionOutput. The training/evaluation layers MultiBoxLoss and
-DetectionEvaluate are in ``multibox.py``; the box math (the fork's ``bbox_util.cpp``) in ``bbox.py``.
+"""Object detection layers of Wei Liu's SSD fork (weiliu89/caffe, branch ssd): PriorBox (anchor
+boxes), DetectionOutput (decoding + NMS) and DetectionEvaluate (true/false positives for mAP).
+The fork's other layers live with their families: MultiBoxLoss in ``multibox.py`` (a loss),
+Normalize in ``normalization.py``, Permute in ``shape.py``; the box math (the fork's
+``bbox_util.cpp``) in ``bbox.py``.
 
 Like the fork, all box arithmetic (priors, decoding, NMS) is float32 because its NormalizedBBox
-holds floats; outputs take the bottoms' dtype. PriorBox and DetectionOutput have no backward.
+holds floats; outputs take the bottoms' dtype. None of these layers has a backward.
 """
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import numpy as np
@@ -18,86 +21,6 @@ from . import bbox as B
 from .base import Layer, register
 
 FLT_MAX = float(np.finfo(np.float32).max)
-
-
-def legacy(shape, i: int) -> int:
-    """Caffe's ``Blob::LegacyShape``: num/channels/height/width, 1 past the last axis."""
-    return int(shape[i]) if i < len(shape) else 1
-
-
-def priors_from_blob(prior: torch.Tensor, num_priors: int):
-    """The fork's GetPriorBBoxes: boxes then variances from the start of the prior blob."""
-    flat = prior.detach().reshape(-1)[:2 * num_priors * 4].to("cpu", torch.float32)
-    return flat[:num_priors * 4].view(-1, 4), flat[num_priors * 4:].view(-1, 4)
-
-
-@register("Normalize")
-class Normalize(Layer):
-    """L2 normalization with a learned scale (SSD's conv4_3_norm).
-
-    Bottom (N, C, ...) -> top of the same shape: x / sqrt(sum x^2 + eps) * scale, the sum over
-    (C, H, W) per sample if across_spatial, else over C at each position.
-    Params: norm_param across_spatial, channel_shared, scale_filler (default constant 1), eps.
-    Blob: scale, shape [] if channel_shared else (C,).
-    Differs from torch: F.normalize adds eps to the norm (max), not inside the square root.
-    """
-
-    exact_bottoms = 1
-    exact_tops = 1
-
-    def setup(self, bottom_shapes):
-        shape = bottom_shapes[0]
-        if not 2 <= len(shape) <= 4:
-            raise self.fail(f"bottom must have 2 to 4 axes (N, C[, H, W]), got {tuple(shape)}")
-        p = self.param.norm_param
-        self.across_spatial, self.channel_shared, self.eps = p.across_spatial, p.channel_shared, p.eps
-        filler = (p.scale_filler if p.HasField("scale_filler")
-                  else pb.FillerParameter(type="constant", value=1.0))
-        self.blobs = [self.new_blob(() if self.channel_shared else (shape[1],), filler)]
-
-    def reshape(self, bottom_shapes):
-        shape = tuple(bottom_shapes[0])
-        if not 2 <= len(shape) <= 4 or (not self.channel_shared and shape[1] != self.blobs[0].numel()):
-            raise self.fail(f"bottom {shape} does not fit the scale of {self.blobs[0].numel()} channels")
-        return [shape]
-
-    def forward(self, bottoms):
-        x = bottoms[0]
-        dims = tuple(range(1, x.dim())) if self.across_spatial else (1,)
-        y = x / torch.sqrt((x * x).sum(dim=dims, keepdim=True) + self.eps)
-        scale = self.blobs[0]
-        if not self.channel_shared:
-            scale = scale.view((1, -1) + (1,) * (x.dim() - 2))
-        return [y * scale.to(x.dtype)]
-
-
-@register("Permute")
-class Permute(Layer):
-    """Reorder the axes (SSD's NCHW -> NHWC before flattening box predictions).
-
-    Bottom any shape -> top with axes permute_param.order, the unnamed axes appended in order.
-    """
-
-    exact_bottoms = 1
-    exact_tops = 1
-    in_place_ok = False
-
-    def setup(self, bottom_shapes):
-        n = len(bottom_shapes[0])
-        order = [int(o) for o in self.param.permute_param.order]
-        if any(o >= n for o in order) or len(set(order)) != len(order):
-            raise self.fail(f"order {order} must name distinct axes of the {n}-D bottom "
-                            f"{tuple(bottom_shapes[0])}")
-        self.order = order + [i for i in range(n) if i not in order]
-
-    def reshape(self, bottom_shapes):
-        shape = tuple(bottom_shapes[0])
-        if len(shape) != len(self.order):
-            raise self.fail(f"bottom {shape} must keep the {len(self.order)} axes it was set up with")
-        return [tuple(shape[o] for o in self.order)]
-
-    def forward(self, bottoms):
-        return [bottoms[0].permute(self.order).contiguous()]
 
 
 @register("PriorBox")
@@ -156,7 +79,7 @@ class PriorBox(Layer):
 
     def reshape(self, bottom_shapes):
         fm = bottom_shapes[0]
-        n = legacy(fm, 2) * legacy(fm, 3) * self.num_priors * 4
+        n = B.legacy(fm, 2) * B.legacy(fm, 3) * self.num_priors * 4
         if n <= 0:
             raise self.fail(f"empty feature map {tuple(fm)}")
         return [(1, 2, n)]
@@ -200,7 +123,7 @@ class PriorBox(Layer):
 
     def forward(self, bottoms):
         fm, img = bottoms
-        key = (legacy(fm.shape, 2), legacy(fm.shape, 3), legacy(img.shape, 2), legacy(img.shape, 3))
+        key = (B.legacy(fm.shape, 2), B.legacy(fm.shape, 3), B.legacy(img.shape, 2), B.legacy(img.shape, 3))
         if key not in self._cache:
             self._cache[key] = torch.from_numpy(self.priors(key[:2], key[2:]))
         return [self._cache[key].to(device=fm.device, dtype=fm.dtype, copy=True)[None]]
@@ -249,9 +172,9 @@ class DetectionOutput(Layer):
 
     def reshape(self, bottom_shapes):
         loc, conf, prior = (tuple(s) for s in bottom_shapes)
-        p = legacy(prior, 2) // 4
-        if (loc[0] != conf[0] or legacy(loc, 1) != p * self.loc_classes * 4
-                or legacy(conf, 1) != p * self.num_classes):
+        p = B.legacy(prior, 2) // 4
+        if (loc[0] != conf[0] or B.legacy(loc, 1) != p * self.loc_classes * 4
+                or B.legacy(conf, 1) != p * self.num_classes):
             raise self.fail(f"loc {loc} and conf {conf} must be (N, {p}*{self.loc_classes}*4) and "
                             f"(N, {p}*{self.num_classes}) for {p} priors {prior}")
         return [(1, 1, 1, 7)]
@@ -259,8 +182,8 @@ class DetectionOutput(Layer):
     def forward(self, bottoms):
         loc, conf, prior = bottoms
         n, c = loc.shape[0], self.num_classes
-        p = legacy(prior.shape, 2) // 4
-        pbox, pvar = priors_from_blob(prior, p)
+        p = B.legacy(prior.shape, 2) // 4
+        pbox, pvar = B.priors_from_blob(prior, p)
         locs = loc.detach().to("cpu", torch.float32).reshape(n, p, self.loc_classes, 4).transpose(1, 2)
         try:
             boxes = B.decode(pbox, pvar, locs, self.code_type, self.var_in_target)   # (n, L, p, 4)
@@ -302,3 +225,110 @@ class DetectionOutput(Layer):
             new.setdefault(label, []).append(j)
         return {label: torch.tensor(js, dtype=torch.long) for label, js in new.items()}
 
+
+@register("DetectionEvaluate")
+class DetectionEvaluate(Layer):
+    """Per-detection true/false positive flags for mAP (the fork's DetectionEvaluateLayer).
+
+    Bottoms: detections (1, 1, D, 7) from DetectionOutput, ground truth (1, 1, G, 8).
+    Top: (1, 1, num_pos_classes + D, 5): first one row [-1, label, num_gt, -1, -1] per
+    non-background class, then per image and label (ascending) and score (descending) a row
+    [image_id, label, score, tp, fp]; a match to a difficult gt when evaluate_difficult_gt is
+    false leaves tp = fp = 0; unused rows stay 0.
+    Params: detection_evaluate_param num_classes, background_label_id, overlap_threshold,
+    evaluate_difficult_gt, name_size_file (pixel-space evaluation; read at the first forward).
+    resize_param is not implemented.
+    """
+
+    exact_bottoms = 2
+    exact_tops = 1
+
+    def allow_backward(self, i):
+        return False
+
+    def setup(self, bottom_shapes):
+        p = self.param.detection_evaluate_param
+        if not p.HasField("num_classes"):
+            raise self.fail("detection_evaluate_param.num_classes is required")
+        if p.overlap_threshold <= 0:
+            raise self.fail("overlap_threshold must be positive")
+        self.p = p
+        self.sizes = None if p.name_size_file else []
+        self.count = 0
+
+    def reshape(self, bottom_shapes):
+        det, gt = (tuple(s) for s in bottom_shapes)
+        if (len(det), det[:2], det[-1], len(gt), gt[:2], gt[-1]) != (4, (1, 1), 7, 4, (1, 1), 8):
+            raise self.fail(f"detections must be (1, 1, D, 7) and ground truth (1, 1, G, 8); "
+                            f"got {det} and {gt}")
+        pos_classes = self.p.num_classes - (self.p.background_label_id != -1)
+        return [(1, 1, pos_classes + det[2], 5)]
+
+    def _image_sizes(self):
+        if self.sizes is None:
+            path = self.p.name_size_file
+            if not os.path.isfile(path):
+                raise self.fail(f"cannot open name_size_file '{path}'")
+            with open(path) as f:
+                words = f.read().split()
+            self.sizes = [(int(words[k + 1]), int(words[k + 2])) for k in range(0, len(words) - 2, 3)]
+            if self.sizes and self.p.HasField("resize_param"):
+                raise NotImplementedError(f"Layer '{self.name}': DetectionEvaluate with "
+                                          "resize_param is not implemented")
+        return self.sizes
+
+    def forward(self, bottoms):
+        det, gt = bottoms
+        p = self.p
+        sizes = self._image_sizes()
+        normalized = not sizes
+        dets: dict[int, dict[int, list]] = {}
+        for r in det.detach().to("cpu", torch.float64).reshape(-1, 7).tolist():
+            if int(r[0]) == -1:
+                continue
+            if int(r[1]) == p.background_label_id:
+                raise self.fail(f"found the background label {int(r[1])} in the detections")
+            dets.setdefault(int(r[0]), {}).setdefault(int(r[1]), []).append(r[2:7])
+        gts = B.ground_truth(gt, p.background_label_id, True, True, self)
+        out = torch.zeros(self.reshape([det.shape, gt.shape])[0][2], 5, dtype=torch.float64)
+        k = 0
+        for c in range(p.num_classes):
+            if c != p.background_label_id:
+                counted = [(g[0] == c) & (p.evaluate_difficult_gt | ~g[2]) for g in gts.values()]
+                n_pos = sum(int(m.sum()) for m in counted)
+                out[k] = torch.tensor([-1.0, c, n_pos, -1, -1])
+                k += 1
+        for image in sorted(dets):
+            for label, found in sorted(dets[image].items()):
+                found = torch.tensor(found, dtype=torch.float32)
+                found = found[B.sort_desc(found[:, 0])]
+                flags = torch.tensor([[0.0, 1.0]]).repeat(len(found), 1)   # false positive
+                g = gts.get(image)
+                if g is not None and bool((g[0] == label).any()):
+                    sel = g[0] == label
+                    flags = self._flags(found[:, 1:], g[1][sel], g[2][sel],
+                                        None if normalized else sizes[self.count])
+                head = torch.tensor([float(image), float(label)]).expand(len(found), 2)
+                out[k:k + len(found)] = torch.cat([head, found[:, :1], flags], 1).double()
+                k += len(found)
+            if sizes:
+                self.count = (self.count + 1) % len(sizes)
+        return [out.to(device=det.device, dtype=det.dtype)[None, None]]
+
+    def _flags(self, boxes, gboxes, difficult, hw):
+        """[tp, fp] per detection (best first): the best-overlapping gt counts once."""
+        if hw is not None:   # clip, then scale to pixels; sizes become (w + 1) * (h + 1)
+            scale = torch.tensor([hw[1], hw[0], hw[1], hw[0]], dtype=torch.float32)
+            boxes, gboxes = boxes.clamp(0, 1) * scale, gboxes.clamp(0, 1) * scale
+        iou = B.jaccard(boxes, gboxes, normalized=hw is None)
+        visited = torch.zeros(len(gboxes), dtype=torch.bool)
+        flags = torch.zeros(len(boxes), 2)
+        for i in range(len(boxes)):
+            j = int(iou[i].argmax())
+            if iou[i, j] >= self.p.overlap_threshold:
+                if self.p.evaluate_difficult_gt or not difficult[j]:
+                    flags[i] = torch.tensor([0.0, 1.0] if visited[j] else [1.0, 0.0])
+                    visited[j] = True
+            else:
+                flags[i] = torch.tensor([0.0, 1.0])
+        return flags

@@ -1,5 +1,5 @@
-"""SSD training and evaluation layers from the weiliu89/caffe fork: MultiBoxLoss (prior matching,
-hard negative mining, SmoothL1 + softmax loss) and DetectionEvaluate (true/false positives for mAP).
+"""SSD's training loss from the weiliu89/caffe fork: MultiBoxLoss (prior matching, hard negative
+mining, SmoothL1 + softmax loss). Its evaluation layer, DetectionEvaluate, is in ``detection.py``.
 
 Matching and mining decisions use float32 boxes as the fork's NormalizedBBox; the loss terms that
 carry gradients are computed in the bottoms' dtype and autograd gives the fork's gradients (only
@@ -7,38 +7,12 @@ matched and mined rows of loc/conf receive a diff).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from . import bbox as B
 from .base import Layer, count, register
-from .detection import legacy, priors_from_blob
 from .loss import NONE, VALID, normalization_mode, normalizer, softmax_loss
-
-
-def ground_truth(label: torch.Tensor, background: int, use_difficult: bool, stop_at_pad: bool, who):
-    """The fork's GetGroundTruth over rows [item_id, label, instance, xmin, ymin, xmax, ymax,
-    difficult]: {item_id: (labels (G,) long, boxes (G, 4) float32, difficult (G,) bool)}.
-    Rows with item_id -1 are padding: skipped, or the end of the list if ``stop_at_pad``."""
-    rows = label.detach().to("cpu", torch.float64).reshape(-1, 8)
-    items: dict[int, list] = {}
-    for r in rows.tolist():
-        item = int(r[0])
-        if item == -1:
-            if stop_at_pad:
-                break
-            continue
-        lab, difficult = int(r[1]), bool(r[7])
-        if lab == background:
-            raise who.fail(f"found the background label {lab} in the ground truth")
-        if difficult and not use_difficult:
-            continue
-        items.setdefault(item, []).append((lab, r[3:7], difficult))
-    return {i: (torch.tensor([g[0] for g in gs], dtype=torch.long),
-                torch.tensor([g[1] for g in gs], dtype=torch.float32),
-                torch.tensor([g[2] for g in gs], dtype=torch.bool)) for i, gs in items.items()}
 
 
 def smooth_l1(d):
@@ -103,12 +77,12 @@ class MultiBoxLoss(Layer):
 
     def reshape(self, bottom_shapes):
         loc, conf, prior, label = (tuple(s) for s in bottom_shapes)
-        p = legacy(prior, 2) // 4
-        if (loc[0] != conf[0] or legacy(loc, 1) != p * self.loc_classes * 4
-                or legacy(conf, 1) != p * self.num_classes):
+        p = B.legacy(prior, 2) // 4
+        if (loc[0] != conf[0] or B.legacy(loc, 1) != p * self.loc_classes * 4
+                or B.legacy(conf, 1) != p * self.num_classes):
             raise self.fail(f"loc {loc} and conf {conf} must be (N, {p}*{self.loc_classes}*4) and "
                             f"(N, {p}*{self.num_classes}) for {p} priors {prior}")
-        if count(label) != legacy(label, 2) * 8:
+        if count(label) != B.legacy(label, 2) * 8:
             raise self.fail(f"labels must be (1, 1, G, 8), got {label}")
         return [()]
 
@@ -176,9 +150,9 @@ class MultiBoxLoss(Layer):
 
     def _forward(self, loc, conf, prior, label):
         p, n, c = self.p, loc.shape[0], self.num_classes
-        P = legacy(prior.shape, 2) // 4
-        pbox, pvar = priors_from_blob(prior, P)
-        gts = ground_truth(label, p.background_label_id, p.use_difficult_gt, False, self)
+        P = B.legacy(prior.shape, 2) // 4
+        pbox, pvar = B.priors_from_blob(prior, P)
+        gts = B.ground_truth(label, p.background_label_id, p.use_difficult_gt, False, self)
         loc4 = loc.reshape(n, P, self.loc_classes, 4)
         matches = self._matches(gts, pbox, pvar, loc4)
         num_matches = sum(int((m > -1).sum()) for per in matches for m, _ in per.values())
@@ -246,109 +220,3 @@ class MultiBoxLoss(Layer):
         return rows, labs.to(conf.device)
 
 
-@register("DetectionEvaluate")
-class DetectionEvaluate(Layer):
-    """Per-detection true/false positive flags for mAP (the fork's DetectionEvaluateLayer).
-
-    Bottoms: detections (1, 1, D, 7) from DetectionOutput, ground truth (1, 1, G, 8).
-    Top: (1, 1, num_pos_classes + D, 5): first one row [-1, label, num_gt, -1, -1] per
-    non-background class, then per image and label (ascending) and score (descending) a row
-    [image_id, label, score, tp, fp]; a match to a difficult gt when evaluate_difficult_gt is
-    false leaves tp = fp = 0; unused rows stay 0.
-    Params: detection_evaluate_param num_classes, background_label_id, overlap_threshold,
-    evaluate_difficult_gt, name_size_file (pixel-space evaluation; read at the first forward).
-    resize_param is not implemented.
-    """
-
-    exact_bottoms = 2
-    exact_tops = 1
-
-    def allow_backward(self, i):
-        return False
-
-    def setup(self, bottom_shapes):
-        p = self.param.detection_evaluate_param
-        if not p.HasField("num_classes"):
-            raise self.fail("detection_evaluate_param.num_classes is required")
-        if p.overlap_threshold <= 0:
-            raise self.fail("overlap_threshold must be positive")
-        self.p = p
-        self.sizes = None if p.name_size_file else []
-        self.count = 0
-
-    def reshape(self, bottom_shapes):
-        det, gt = (tuple(s) for s in bottom_shapes)
-        if (len(det), det[:2], det[-1], len(gt), gt[:2], gt[-1]) != (4, (1, 1), 7, 4, (1, 1), 8):
-            raise self.fail(f"detections must be (1, 1, D, 7) and ground truth (1, 1, G, 8); "
-                            f"got {det} and {gt}")
-        pos_classes = self.p.num_classes - (self.p.background_label_id != -1)
-        return [(1, 1, pos_classes + det[2], 5)]
-
-    def _image_sizes(self):
-        if self.sizes is None:
-            path = self.p.name_size_file
-            if not os.path.isfile(path):
-                raise self.fail(f"cannot open name_size_file '{path}'")
-            with open(path) as f:
-                words = f.read().split()
-            self.sizes = [(int(words[k + 1]), int(words[k + 2])) for k in range(0, len(words) - 2, 3)]
-            if self.sizes and self.p.HasField("resize_param"):
-                raise NotImplementedError(f"Layer '{self.name}': DetectionEvaluate with "
-                                          "resize_param is not implemented")
-        return self.sizes
-
-    def forward(self, bottoms):
-        det, gt = bottoms
-        p = self.p
-        sizes = self._image_sizes()
-        normalized = not sizes
-        dets: dict[int, dict[int, list]] = {}
-        for r in det.detach().to("cpu", torch.float64).reshape(-1, 7).tolist():
-            if int(r[0]) == -1:
-                continue
-            if int(r[1]) == p.background_label_id:
-                raise self.fail(f"found the background label {int(r[1])} in the detections")
-            dets.setdefault(int(r[0]), {}).setdefault(int(r[1]), []).append(r[2:7])
-        gts = ground_truth(gt, p.background_label_id, True, True, self)
-        out = torch.zeros(self.reshape([det.shape, gt.shape])[0][2], 5, dtype=torch.float64)
-        k = 0
-        for c in range(p.num_classes):
-            if c != p.background_label_id:
-                counted = [(g[0] == c) & (p.evaluate_difficult_gt | ~g[2]) for g in gts.values()]
-                n_pos = sum(int(m.sum()) for m in counted)
-                out[k] = torch.tensor([-1.0, c, n_pos, -1, -1])
-                k += 1
-        for image in sorted(dets):
-            for label, found in sorted(dets[image].items()):
-                found = torch.tensor(found, dtype=torch.float32)
-                found = found[B.sort_desc(found[:, 0])]
-                flags = torch.tensor([[0.0, 1.0]]).repeat(len(found), 1)   # false positive
-                g = gts.get(image)
-                if g is not None and bool((g[0] == label).any()):
-                    sel = g[0] == label
-                    flags = self._flags(found[:, 1:], g[1][sel], g[2][sel],
-                                        None if normalized else sizes[self.count])
-                head = torch.tensor([float(image), float(label)]).expand(len(found), 2)
-                out[k:k + len(found)] = torch.cat([head, found[:, :1], flags], 1).double()
-                k += len(found)
-            if sizes:
-                self.count = (self.count + 1) % len(sizes)
-        return [out.to(device=det.device, dtype=det.dtype)[None, None]]
-
-    def _flags(self, boxes, gboxes, difficult, hw):
-        """[tp, fp] per detection (best first): the best-overlapping gt counts once."""
-        if hw is not None:   # clip, then scale to pixels; sizes become (w + 1) * (h + 1)
-            scale = torch.tensor([hw[1], hw[0], hw[1], hw[0]], dtype=torch.float32)
-            boxes, gboxes = boxes.clamp(0, 1) * scale, gboxes.clamp(0, 1) * scale
-        iou = B.jaccard(boxes, gboxes, normalized=hw is None)
-        visited = torch.zeros(len(gboxes), dtype=torch.bool)
-        flags = torch.zeros(len(boxes), 2)
-        for i in range(len(boxes)):
-            j = int(iou[i].argmax())
-            if iou[i, j] >= self.p.overlap_threshold:
-                if self.p.evaluate_difficult_gt or not difficult[j]:
-                    flags[i] = torch.tensor([0.0, 1.0] if visited[j] else [1.0, 0.0])
-                    visited[j] = True
-            else:
-                flags[i] = torch.tensor([0.0, 1.0])
-        return flags

@@ -1,4 +1,5 @@
-"""Normalization layers: BatchNorm, Scale, Bias, MVN, with Caffe's exact statistics and gradients.
+"""Normalization layers: BatchNorm, Scale, Bias, MVN, and the SSD fork's L2 Normalize, with Caffe's
+exact statistics and gradients.
 
 The math lives in module-level functions (``batch_norm``, ``mvn``, ``broadcast_param``) so it can be
 tested without building a layer.
@@ -262,3 +263,43 @@ class MVN(Layer):
     def forward(self, bottoms):
         p = self.param.mvn_param
         return [mvn(bottoms[0], p.normalize_variance, p.across_channels, p.eps)]
+
+
+@register("Normalize")
+class Normalize(Layer):
+    """L2 normalization with a learned scale (SSD's conv4_3_norm).
+
+    Bottom (N, C, ...) -> top of the same shape: x / sqrt(sum x^2 + eps) * scale, the sum over
+    (C, H, W) per sample if across_spatial, else over C at each position.
+    Params: norm_param across_spatial, channel_shared, scale_filler (default constant 1), eps.
+    Blob: scale, shape [] if channel_shared else (C,).
+    Differs from torch: F.normalize adds eps to the norm (max), not inside the square root.
+    """
+
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom_shapes):
+        shape = bottom_shapes[0]
+        if not 2 <= len(shape) <= 4:
+            raise self.fail(f"bottom must have 2 to 4 axes (N, C[, H, W]), got {tuple(shape)}")
+        p = self.param.norm_param
+        self.across_spatial, self.channel_shared, self.eps = p.across_spatial, p.channel_shared, p.eps
+        filler = (p.scale_filler if p.HasField("scale_filler")
+                  else pb.FillerParameter(type="constant", value=1.0))
+        self.blobs = [self.new_blob(() if self.channel_shared else (shape[1],), filler)]
+
+    def reshape(self, bottom_shapes):
+        shape = tuple(bottom_shapes[0])
+        if not 2 <= len(shape) <= 4 or (not self.channel_shared and shape[1] != self.blobs[0].numel()):
+            raise self.fail(f"bottom {shape} does not fit the scale of {self.blobs[0].numel()} channels")
+        return [shape]
+
+    def forward(self, bottoms):
+        x = bottoms[0]
+        dims = tuple(range(1, x.dim())) if self.across_spatial else (1,)
+        y = x / torch.sqrt((x * x).sum(dim=dims, keepdim=True) + self.eps)
+        scale = self.blobs[0]
+        if not self.channel_shared:
+            scale = scale.view((1, -1) + (1,) * (x.dim() - 2))
+        return [y * scale.to(x.dtype)]

@@ -1,5 +1,6 @@
 """Routing and shape layers: Concat, Slice, Split, Flatten, Reshape, Crop, Tile, Filter,
-BatchReindex, Silence. They move or select values; none computes anything new.
+BatchReindex, Silence, and the SSD fork's Permute. They move or select values; none computes
+anything new.
 
 ``reshape_shape`` holds Caffe's Reshape rule (0 copies a dim, -1 infers one) and is tested alone.
 """
@@ -66,6 +67,7 @@ class Concat(Layer):
     """Join bottoms along ``axis``. Shapes: all equal except at axis -> summed there.
     Params: concat_param.axis, or legacy concat_dim."""
 
+    routing = True
     min_bottoms = 1
     exact_tops = 1
 
@@ -87,6 +89,7 @@ class Slice(Layer):
     """Split the bottom along ``axis`` at slice_point(s), or into equal parts.
     Shapes: one bottom -> one top per piece. Params: slice_param {axis | slice_dim, slice_point}."""
 
+    routing = True
     exact_bottoms = 1
     min_tops = 1
 
@@ -118,6 +121,7 @@ class Split(Layer):
     """Copy the bottom to every top (shared data); backward sums the top diffs.
     Shapes: x -> x, x, ... Params: none."""
 
+    routing = True
     exact_bottoms = 1
     min_tops = 1
 
@@ -131,6 +135,7 @@ class Flatten(Layer):
     """Merge axes [axis, end_axis] into one. Shapes: (a, b, c, d) -> e.g. (a, b*c*d).
     Params: flatten_param {axis, end_axis}. Not in place (a view)."""
 
+    routing = True
     exact_bottoms = 1
     exact_tops = 1
     in_place_ok = False
@@ -154,6 +159,7 @@ class Reshape(Layer):
     """Change the shape, keeping the data. Shapes: see reshape_shape (0 copies, -1 infers).
     Params: reshape_param {shape, axis, num_axes}. Not in place (a view)."""
 
+    routing = True
     exact_bottoms = 1
     exact_tops = 1
     in_place_ok = False
@@ -173,6 +179,7 @@ class Crop(Layer):
     Shapes: (A..., B...) , (_, C...) -> (A..., C...). Params: crop_param {axis, offset: none ->
     0, one -> for every cropped axis, else one per cropped axis}. Bottom 1 gets no diff."""
 
+    routing = True
     exact_bottoms = 2
     exact_tops = 1
 
@@ -213,6 +220,7 @@ class Tile(Layer):
     """Repeat the block of axes >= ``axis`` ``tiles`` times along ``axis``.
     Shapes: (..., d_axis, ...) -> (..., d_axis * tiles, ...). Params: tile_param {axis, tiles}."""
 
+    routing = True
     exact_bottoms = 1
     exact_tops = 1
 
@@ -238,6 +246,7 @@ class Filter(Layer):
     (all N); ``forward`` returns the selected rows (a data-dependent shape, as Caffe's
     per-forward Reshape). No gradient to the selector; unselected rows get diff 0."""
 
+    routing = True
     min_bottoms = 2
 
     def allow_backward(self, bottom_index):
@@ -265,6 +274,7 @@ class BatchReindex(Layer):
     """top[i] = bottom[indices[i]] along axis 0 (repeats allowed; backward scatter-adds).
     Shapes: (N, ...), (M,) -> (M, ...). Params: none. No gradient to the indices."""
 
+    routing = True
     exact_bottoms = 2
     exact_tops = 1
 
@@ -289,6 +299,7 @@ class BatchReindex(Layer):
 class Silence(Layer):
     """Consume bottoms, produce nothing (their diffs stay zero). Shapes: any -> no tops."""
 
+    routing = True
     min_bottoms = 1
     exact_tops = 0
 
@@ -297,3 +308,33 @@ class Silence(Layer):
 
     def forward(self, bottoms):
         return []
+
+
+@register("Permute")
+class Permute(Layer):
+    """Reorder the axes (SSD's NCHW -> NHWC before flattening box predictions).
+
+    Bottom any shape -> top with axes permute_param.order, the unnamed axes appended in order.
+    """
+
+    routing = True
+    exact_bottoms = 1
+    exact_tops = 1
+    in_place_ok = False
+
+    def setup(self, bottom_shapes):
+        n = len(bottom_shapes[0])
+        order = [int(o) for o in self.param.permute_param.order]
+        if any(o >= n for o in order) or len(set(order)) != len(order):
+            raise self.fail(f"order {order} must name distinct axes of the {n}-D bottom "
+                            f"{tuple(bottom_shapes[0])}")
+        self.order = order + [i for i in range(n) if i not in order]
+
+    def reshape(self, bottom_shapes):
+        shape = tuple(bottom_shapes[0])
+        if len(shape) != len(self.order):
+            raise self.fail(f"bottom {shape} must keep the {len(self.order)} axes it was set up with")
+        return [tuple(shape[o] for o in self.order)]
+
+    def forward(self, bottoms):
+        return [bottoms[0].permute(self.order).contiguous()]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import functional as Fn
-from .base import Layer, canonical_axis, register
+from .base import Layer, canonical_axis, count, register
 
 # caffe.proto enum values
 MAX, AVE, STOCHASTIC = 0, 1, 2          # PoolingParameter.PoolMethod / SPPParameter.PoolMethod
@@ -55,6 +55,12 @@ class _ConvolutionBase(Layer):
     min_bottoms = 1
     min_tops = 1
     transposed = False
+
+    def flops(self, bottom_shapes, top_shapes):
+        w = self.blobs[0].shape          # conv: (out, in/g, k...); deconv: (in, out/g, k...)
+        spatial = bottom_shapes[0] if self.transposed else top_shapes[0]
+        macs = count(w) * count(spatial[2:]) * spatial[0]
+        return 2 * macs + (count(top_shapes[0]) if len(self.blobs) > 1 else 0)
 
     def setup(self, bottom_shapes):
         if len(self.param.top) != len(bottom_shapes):
@@ -236,6 +242,12 @@ class Pooling(Layer):
     min_tops = 1
     max_tops = 2
 
+    def flops(self, bottom_shapes, top_shapes):
+        p = self.param.pooling_param
+        k = (bottom_shapes[0][2] * bottom_shapes[0][3]) if p.global_pooling else (
+            (p.kernel_h or p.kernel_size) * (p.kernel_w or p.kernel_size))
+        return count(top_shapes[0]) * k
+
     def setup(self, bottom_shapes):
         pp = self.param.pooling_param
         has = pp.HasField
@@ -358,6 +370,9 @@ class LRN(Layer):
 
     exact_bottoms = 1
     exact_tops = 1
+
+    def flops(self, bottom_shapes, top_shapes):
+        return count(top_shapes[0]) * (self.param.lrn_param.local_size + 3)
 
     def setup(self, bottom_shapes):
         lp = self.param.lrn_param

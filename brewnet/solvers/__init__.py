@@ -1,5 +1,5 @@
 """Solvers: Caffe's training loop and update rules (``SOLVERS["Adam"]``), lr policies
-(``LR_POLICIES["multistep"]``) and snapshots; pycaffe's ``SGDSolver``... and ``get_solver``."""
+(``LR_POLICIES["multistep"]``) and snapshots (pycaffe's flavour: ``brewnet.pycaffe.solver``)."""
 from .base import SOLVERS, LossNotFiniteError, Solver, SolverError, load_solver_param
 from .lr_policy import LR_POLICIES
 from .sgd import SGDSolver
@@ -10,13 +10,15 @@ from .adadelta import AdaDeltaSolver
 from .adam import AdamSolver
 
 
-def get_solver(solver, **kw) -> Solver:
-    """The solver of the type its file names (pycaffe's ``caffe.get_solver``)."""
+def get_solver(solver, registry=None, **kw) -> Solver:
+    """The solver of the type its file names (Caffe's ``SolverRegistry``; ``registry`` is
+    pycaffe's, whose solvers build pycaffe Nets)."""
     param, _ = load_solver_param(solver)
+    registry = SOLVERS if registry is None else registry
     try:
-        cls = SOLVERS[param.type]
+        cls = registry[param.type]
     except KeyError:
-        raise SolverError(f"Unknown solver type '{param.type}'. Known: {', '.join(sorted(SOLVERS))}") from None
+        raise SolverError(f"Unknown solver type '{param.type}'. Known: {', '.join(sorted(registry))}") from None
     return cls(solver, **kw)
 
 

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from ..memory import keep_freed_memory
+from .. import runtime
 from ..net import Net
 from ..proto import caffe_pb2 as pb
 from . import snapshot as ss
@@ -51,6 +51,7 @@ class Solver:
     """
 
     solver_type = ""
+    net_class = Net            # pycaffe's solvers build pycaffe Nets
     history_sets = 1           # history blobs per learnable param
     frozen_is_noop = False     # lr_mult 0 leaves param and history untouched: skip it
 
@@ -70,14 +71,12 @@ class Solver:
         if p.snapshot > 0:
             self._check_snapshot_prefix()
         if p.random_seed >= 0:
-            from ..mode import set_random_seed
-            set_random_seed(p.random_seed)
+            runtime.set_random_seed(p.random_seed)
         self.device = pick_device(p, device)
-        if self.device.type == "cpu":
-            keep_freed_memory()     # reuse gradient/activation memory across iterations
+        runtime.configure(self.device, keep_memory=True)   # training: true float32, reused memory
         self.train_feed, self.test_feeds = train_feed, list(test_feeds or [])
-        self.net = make_train_net(p, self._path, self.device)
-        self.test_nets = make_test_nets(p, self._path, self.device)
+        self.net = make_train_net(p, self._path, self.device, self.net_class)
+        self.test_nets = make_test_nets(p, self._path, self.device, self.net_class)
         for w in p.weights:
             for path in w.split(","):
                 for n in [self.net, *self.test_nets]:

@@ -66,11 +66,11 @@ def pick_device(param, device=None) -> torch.device:
             return torch.device("cuda", param.device_id)
         log.warning("solver_mode GPU: CUDA is not available here; training on the CPU")
         return torch.device("cpu")
-    from ..mode import default_device
+    from ..runtime import default_device
     return default_device()
 
 
-def _make_net(net_param, phase: int, override, device) -> Net:
+def _make_net(net_param, phase: int, override, device, net_class=Net) -> Net:
     # NetState precedence as Caffe: the phase, then the net's own state, then train/test_state.
     state = pb.NetState(phase=phase)
     state.MergeFrom(net_param.state)
@@ -78,10 +78,10 @@ def _make_net(net_param, phase: int, override, device) -> Net:
         state.MergeFrom(override)
     net_param = pb.NetParameter.FromString(net_param.SerializeToString())
     net_param.state.CopyFrom(state)
-    return Net(net_param, state.phase, level=state.level, stages=list(state.stage), device=device)
+    return net_class(net_param, state.phase, level=state.level, stages=list(state.stage), device=device)
 
 
-def make_train_net(p, solver_path: Path | None, device) -> Net:
+def make_train_net(p, solver_path: Path | None, device, net_class=Net) -> Net:
     given = [f for f in ("net", "net_param", "train_net", "train_net_param") if p.HasField(f)]
     if len(given) != 1:
         raise SolverError("SolverParameter must specify exactly one train net using one of "
@@ -90,10 +90,11 @@ def make_train_net(p, solver_path: Path | None, device) -> Net:
     net_param = (read_net(resolve(getattr(p, f), solver_path, "net")) if f in ("net", "train_net")
                  else upgrade_net(getattr(p, f)))
     log.info("Creating training net from %s", f)
-    return _make_net(net_param, pb.TRAIN, p.train_state if p.HasField("train_state") else None, device)
+    return _make_net(net_param, pb.TRAIN, p.train_state if p.HasField("train_state") else None,
+                     device, net_class)
 
 
-def make_test_nets(p, solver_path: Path | None, device) -> list[Net]:
+def make_test_nets(p, solver_path: Path | None, device, net_class=Net) -> list[Net]:
     """test_net_param, then test_net files, then one copy of net/net_param per remaining
     test_iter entry."""
     read = lambda name: read_net(resolve(name, solver_path, "test net"))  # noqa: E731
@@ -113,7 +114,8 @@ def make_test_nets(p, solver_path: Path | None, device) -> list[Net]:
     nets = []
     for i, (src, net_param) in enumerate(sources):
         log.info("Creating test net (#%d) specified by %s", i, src)
-        nets.append(_make_net(net_param, pb.TEST, p.test_state[i] if p.test_state else None, device))
+        nets.append(_make_net(net_param, pb.TEST, p.test_state[i] if p.test_state else None,
+                              device, net_class))
     return nets
 
 

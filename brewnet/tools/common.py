@@ -1,5 +1,5 @@
-"""Helpers shared by the Caffe-style commands (train, test, time, device-query): Caffe's
-``-gpu``/``-stage``/``-level`` flags, user-facing errors and the terminal progress bar."""
+"""Helpers shared by the command modules: gflags-style booleans, Caffe's ``-gpu``/``-stage``/
+``-level`` flags, user-facing errors, log set-up, thread sizing and the terminal progress bar."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +21,19 @@ def report(command: str, err: BaseException) -> int:
     """Print a one-line error for the user and return the exit status."""
     print(f"brewnet {command}: {err}", file=sys.stderr)
     return 1
+
+
+def add_bool(p, name: str, help: str) -> None:
+    """A gflags-style boolean: ``--name`` sets it, ``--noname`` clears it (Caffe's ``-name``
+    reaches here as ``--name``)."""
+    p.add_argument(f"--{name}", action="store_true", default=False, help=help)
+    p.add_argument(f"--no{name}", dest=name, action="store_false", help="(the default)")
+
+
+def log_to_stderr() -> None:
+    """INFO lines on stderr unless the program configured logging already (the converters)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname).1s %(asctime)s %(message)s",
+                        datefmt="%H:%M:%S")
 
 
 def add_gpu_flag(p) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from ._flags import log_to_stderr
+from .common import log_to_stderr
 
 COMMAND = "compute-mean"
 HELP = "compute the mean image of an LMDB/LevelDB of Datums into a .binaryproto"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from ._flags import add_bool, log_to_stderr
+from .common import add_bool, log_to_stderr
 
 COMMAND = "convert-imageset"
 HELP = "convert a list of images ('path label' lines) into an LMDB/LevelDB of Datums"

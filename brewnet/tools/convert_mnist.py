@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from ._flags import log_to_stderr
+from .common import log_to_stderr
 
 COMMAND = "convert-mnist"
 HELP = "convert MNIST idx image/label files (gzipped or not) into an LMDB/LevelDB of Datums"

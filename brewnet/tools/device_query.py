@@ -42,7 +42,7 @@ def properties(i: int) -> list[tuple[str, object]]:
 def run(args) -> int:
     import torch
 
-    from ..logging import setup_logging
+    from ..analysis.glog import setup_logging
 
     setup_logging()
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:

@@ -22,7 +22,7 @@ def run(args) -> int:
     import os
     import sys
 
-    from ..logparse import parse_log, save_csv_files
+    from ..analysis.logparse import parse_log, save_csv_files
 
     out_dir = args.output_dir or os.path.dirname(os.path.abspath(args.log))
     if len(args.delimiter) != 1:

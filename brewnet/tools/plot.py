@@ -20,7 +20,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import sys
 
-    from ..logparse import plot_log
+    from ..analysis.logparse import plot_log
 
     out = args.output or args.log + ".png"
     try:

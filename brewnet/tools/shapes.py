@@ -14,7 +14,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from ..net import Net
-    from ..summary import format_table
+    from ..analysis.summary import format_table
 
     net = Net(args.model, 0 if args.phase == "TRAIN" else 1, level=args.level,
               stages=[s for s in args.stage.split(",") if s])

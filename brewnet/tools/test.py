@@ -56,16 +56,18 @@ def score(net, iterations: int) -> tuple[float, list[tuple[str, float, float]]]:
 
 
 def run(args) -> int:
-    from ..logging import setup_logging
+    from ..analysis.glog import setup_logging
 
     setup_logging()
     if args.iterations < 1:
         return report(COMMAND, f"--iterations must be at least 1, got {args.iterations}")
     try:
+        from .. import runtime
         from ..net import Net
         from ..proto import caffe_pb2 as pb
 
         device = single_device(args.gpu, COMMAND)
+        runtime.configure(device)
         net = Net(args.model, pb.TEST, level=args.level, stages=stages(args.stage), device=device)
         size_threads(net)
         net.copy_from(args.weights)

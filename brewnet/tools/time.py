@@ -28,20 +28,19 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..logging import setup_logging
+    from ..analysis.glog import setup_logging
 
     setup_logging()
     if args.iterations < 1:
         return report(COMMAND, f"--iterations must be at least 1, got {args.iterations}")
     try:
-        from ..memory import keep_freed_memory
+        from .. import runtime
         from ..net import Net
         from ..proto import caffe_pb2 as pb
-        from ..timing import time_net
-
-        keep_freed_memory()      # time steady-state steps, as a training run sees them
+        from ..analysis.timing import time_net
 
         device = single_device(args.gpu, COMMAND)
+        runtime.configure(device, keep_memory=True)   # time steady-state steps, as training runs them
         phase = pb.TRAIN if args.phase == "TRAIN" else pb.TEST
         net = Net(args.model, phase, level=args.level, stages=stages(args.stage), device=device)
         size_threads(net)

@@ -80,7 +80,7 @@ def _device(args, param):
 
 
 def run(args) -> int:
-    from ..logging import setup_logging
+    from ..analysis.glog import setup_logging
 
     setup_logging()
     if args.snapshot and args.weights:

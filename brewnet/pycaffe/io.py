@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .proto import caffe_pb2
-from .data.transform import cv
-from .proto.io import array_to_blob
+from ..proto import caffe_pb2
+from ..data.transform import cv
+from ..proto.io import array_to_blob
 
 __all__ = ["blobproto_to_array", "array_to_blobproto", "arraylist_to_blobprotovector_str",
            "blobprotovector_str_to_arraylist", "array_to_datum", "datum_to_array", "Transformer",

@@ -1,17 +1,18 @@
 """pycaffe's view of a Net: numpy arrays in and out, name-keyed dictionaries, layer views.
 
-The torch side (``Net.forward_tensors``/``backward_tensors``, ``layer_list``, ``Blob.tensor``)
-knows nothing of pycaffe's quirks; this mixin alone does.
+The core ``brewnet.net.Net`` (torch tensors, ``forward_tensors``/``backward_tensors``, the
+per-layer step API) knows nothing of pycaffe's quirks; this subclass alone does.
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
-from .blob import ParamBlob
+import numpy as np
 
-
-class NetError(ValueError):
-    """A net cannot be built or run as asked; the message names the layer, blob and shapes."""
+from .. import net as core
+from ..blob import ParamBlob
+from ..net import NetError
 
 
 class LayerView:
@@ -25,30 +26,31 @@ class LayerView:
         return f"<{self.type} layer '{self.name}'>"
 
 
-
-class PycaffeNet:
-    """Mixin for ``Net``: pycaffe's ``forward``/``backward``, ``layers``, ``top_names`` ..."""
+class Net(core.Net):
+    """pycaffe's ``caffe.Net``: ``Net(prototxt, phase, level=0, stages=(), weights=None)``, and
+    the older orders ``Net(prototxt, phase)`` and ``Net(prototxt, weights, phase)``."""
 
     def forward(self, blobs=None, start=None, end=None, **inputs):
         """pycaffe's ``Net.forward``: feed ``inputs`` (numpy arrays keyed by input blob name),
-        run, and return ``{blob name: numpy array}`` for the outputs (or ``end``'s tops)."""
+        run, and return ``{blob name: numpy array}`` for the outputs (or ``end``'s tops). The
+        arrays are views of the blobs: the next forward writes its values into them, as Caffe's."""
         if inputs and set(inputs) != set(self.inputs):
             raise NetError(f"forward: input arguments {sorted(inputs)} do not match the net's "
                            f"inputs {self.inputs}")
-        if inputs:
-            for name, value in inputs.items():
-                blob = self.blobs[name]
-                # pycaffe insists on the blob's batch size; reshaping is what a user expects.
-                if tuple(value.shape) != blob.shape:
-                    blob.reshape(*value.shape)
-                blob.data[...] = value
+        for name, value in inputs.items():
+            blob = self.blobs[name]
+            # pycaffe insists on the blob's batch size; reshaping is what a user expects.
+            if tuple(value.shape) != blob.shape:
+                blob.reshape(*value.shape)
+            blob.data[...] = value
         self.forward_tensors(start, end)
         i1 = self._index(end, len(self.layer_list) - 1)
         outs = self.top_lists[i1] if end is not None else self.outputs
         return {n: self.blobs[n].data for n in list(outs) + list(blobs or [])}
 
     def backward(self, diffs=None, start=None, end=None, **top_diffs):
-        """pycaffe's ``Net.backward``: optional output diffs by name; returns input diffs."""
+        """pycaffe's ``Net.backward``: optional output diffs by name; returns input diffs. Runs
+        on the blobs' current data and diffs even where no forward ran (as Caffe's)."""
         allowed = self.outputs if start is None else self.top_lists[self._index(start, 0)]
         for name, value in top_diffs.items():
             if name not in allowed:
@@ -61,11 +63,9 @@ class PycaffeNet:
     def forward_all(self, blobs=None, **inputs):
         """pycaffe's ``forward_all``: any number of items, run batch by batch (the last one
         padded), outputs concatenated with the padding stripped."""
-        import numpy as np
-
         outs = {n: [] for n in list(self.outputs) + list(blobs or [])}
         if not inputs:
-            return {n: v for n, v in self.forward(blobs).items()}
+            return self.forward(blobs)
         total = len(next(iter(inputs.values())))
         batch = self.blobs[self.inputs[0]].shape[0]
         for i in range(0, total, batch):
@@ -79,21 +79,8 @@ class PycaffeNet:
                 outs[name].append(value[:min(batch, total - i)].copy())
         return {n: np.concatenate(v) for n, v in outs.items()}
 
-    def share_with(self, other) -> None:
-        """Use ``other``'s parameter tensors in the layers both nets name (pycaffe's
-        ``share_with``; a solver's test nets share the train net's weights this way)."""
-        for layer in self.layer_list:
-            src = other.layer_by_name.get(layer.name)
-            if src is None or not layer.blobs:
-                continue
-            if [tuple(b.shape) for b in src.blobs] != [tuple(b.shape) for b in layer.blobs]:
-                raise NetError(f"share_with: layer '{layer.name}' has param shapes "
-                               f"{[tuple(b.shape) for b in layer.blobs]} here and "
-                               f"{[tuple(b.shape) for b in src.blobs]} in the other net")
-            layer.blobs = list(src.blobs)
-
     def save_hdf5(self, path) -> None:
-        from .weights import save_weights_h5
+        from ..weights import save_weights_h5
 
         save_weights_h5(self, path)
 
@@ -106,6 +93,12 @@ class PycaffeNet:
         if first is None or first.type != "MemoryData":
             raise NetError("set_input_arrays needs a MemoryData layer as the first layer")
         first.set_input_arrays(data, labels)
+
+    @functools.cached_property
+    def params(self) -> "OrderedDict[str, list[ParamBlob]]":
+        """``{layer name: [param blobs]}`` for layers that have params (numpy ``.data``/``.diff``)."""
+        return OrderedDict((l.name, [ParamBlob(l, i) for i in range(len(l.blobs))])
+                           for l in self.layer_list if l.blobs)
 
     @property
     def layers(self) -> list["LayerView"]:
@@ -124,25 +117,9 @@ class PycaffeNet:
         return OrderedDict((l.name, list(b)) for l, b in zip(self.layer_list, self.bottom_lists))
 
     @property
-    def blob_loss_weights(self) -> "OrderedDict[str, float]":
-        return OrderedDict((n, self._loss_weights.get(n, 0.0)) for n in self.blobs)
-
-    @property
     def _layer_names(self) -> list[str]:
         return [l.name for l in self.layer_list]
 
     @property
     def _blob_names(self) -> list[str]:
         return list(self.blobs)
-
-    def copy_from(self, path) -> None:
-        """Load weights from a ``.caffemodel`` (binary or legacy V1) or ``.caffemodel.h5``."""
-        from .weights import load_weights
-
-        load_weights(self, path)
-
-    def save(self, path) -> None:
-        """Write the net with its weights as a binary ``.caffemodel`` (atomically)."""
-        from .weights import save_weights
-
-        save_weights(self, path)

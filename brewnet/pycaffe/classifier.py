@@ -7,7 +7,7 @@ import numpy as np
 
 from . import io
 from .net import Net
-from .proto import caffe_pb2 as pb
+from ..proto import caffe_pb2 as pb
 
 
 class Classifier(Net):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-from .proto import caffe_pb2 as pb
+from ..proto import caffe_pb2 as pb
 
 # "Convolution" -> "convolution_param", from the LayerParameter schema itself.
 _PARAM_FIELD = {f.message_type.name[:-len("Parameter")]: f.name

@@ -1,0 +1,33 @@
+"""pycaffe's surface on top of brewnet's core: ``Net`` with numpy forward/backward and name-keyed
+views, the solvers whose nets are such Nets, ``Classifier``, ``NetSpec`` (``layers``/``params``/
+``to_proto``), ``io`` and the process-wide mode. ``import brewnet as caffe`` re-exports it all.
+"""
+from . import io  # noqa: F401
+from .classifier import Classifier
+from .mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
+from .net import LayerView, Net
+from .net_spec import NetSpec, layer_fn, params, to_proto
+from .solver import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver, RMSPropSolver,
+                     SGDSolver, get_solver)
+
+
+def _layer_namespace(name: str):
+    """pycaffe's ``from caffe import layers as L``: ``L.Convolution(bottom, ...)`` is NetSpec's
+    layer function for that type. Installed on ``brewnet.layers`` (the registry package) so the
+    core package itself knows nothing of NetSpec."""
+    if name[:1].isupper():
+        return layer_fn(name)
+    raise AttributeError(f"module 'brewnet.layers' has no attribute {name!r}")
+
+
+def _install_layer_namespace() -> None:
+    from .. import layers
+
+    layers.__getattr__ = _layer_namespace     # PEP 562: consulted only for missing names
+
+
+_install_layer_namespace()
+
+__all__ = ["Net", "LayerView", "Classifier", "NetSpec", "params", "to_proto", "io", "set_mode_cpu",
+           "set_mode_gpu", "set_device", "set_random_seed", "SGDSolver", "NesterovSolver",
+           "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver"]

@@ -1,0 +1,33 @@
+"""pycaffe's process-wide mode: ``set_mode_cpu``/``set_mode_gpu``/``set_device``/``set_random_seed``.
+
+The device is read once when a Net or Solver is created (never inside layers). ``set_mode_gpu``
+on a machine without CUDA warns and keeps the CPU, so pycaffe scripts written for a GPU still
+run; on CUDA it applies brewnet's process-wide settings (``brewnet.runtime.configure``).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import runtime
+from ..runtime import set_random_seed  # noqa: F401  (caffe.set_random_seed)
+
+log = logging.getLogger("brewnet")
+
+
+def set_mode_cpu() -> None:
+    runtime.set_default_device(False)
+
+
+def set_mode_gpu() -> None:
+    if not torch.cuda.is_available():
+        log.warning("set_mode_gpu: CUDA is not available here; running on the CPU")
+    runtime.set_default_device(True)
+    runtime.configure()
+
+
+def set_device(device_id: int) -> None:
+    runtime.set_default_device(runtime._mode["gpu"], device_id)
+    if runtime._mode["gpu"]:
+        runtime.configure()

@@ -1,0 +1,79 @@
+"""Process-wide settings, in one place: the default device, true float32 on CUDA, and the CPU
+allocator. Nothing here runs on import or inside a Net or a layer; the entry points call
+``configure``: pycaffe's ``set_mode_gpu``/``set_device``, a Solver when it is built, and each
+CLI command (train, test, time). A program that uses the core ``Net`` directly on CUDA calls
+``brewnet.runtime.configure(device)`` itself to get Caffe's numbers.
+
+- **Default device** (pycaffe's mode): where a Net goes when no device is given.
+- **True float32 on CUDA**: cuDNN's default TF32 convolutions are ~1e-3 off; Caffe computes in
+  IEEE float32, so ``configure`` with a CUDA device turns TF32 off (convolutions and matmuls).
+- **Freed memory kept** (``keep_memory=True``, the CPU): glibc hands every block of 32 MB or
+  more back to the kernel when it is freed (mmap/munmap) and trims the top of its heap; the next
+  training step then page-faults and zeroes the same gradients and activations again. CaffeNet's
+  fc6 weight gradient alone is 151 MB: fresh, its matrix product takes ~100 ms instead of ~16
+  (benchmarks/train.py). Caffe keeps every blob allocated for the whole run; this is the
+  allocator-level equivalent: once per process, large blocks come from the heap (M_MMAP_MAX 0)
+  and freed memory stays there (M_TRIM_THRESHOLD at its maximum), as in PyTorch's own advice to
+  run CPU training under jemalloc or tcmalloc. The process keeps its peak memory until it ends.
+  ``BREWNET_KEEP_MEMORY=0`` leaves the allocator alone; other C libraries (musl, macOS) are left
+  alone too. Training and ``brewnet time`` ask for it; a serving process may too (steady latency).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+
+import torch
+
+log = logging.getLogger("brewnet")
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4     # glibc's malloc.h
+_done: list[bool] = []
+_mode = {"gpu": False, "device_id": 0}
+
+
+def set_default_device(gpu: bool, device_id: int | None = None) -> None:
+    """pycaffe's mode: new Nets and Solvers go to CUDA device ``device_id`` when ``gpu``."""
+    _mode["gpu"] = bool(gpu)
+    if device_id is not None:
+        _mode["device_id"] = int(device_id)
+
+
+def default_device() -> torch.device:
+    if _mode["gpu"] and torch.cuda.is_available():
+        return torch.device("cuda", _mode["device_id"])
+    return torch.device("cpu")
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed brewnet's random streams (fillers, dropout, shuffling), as ``caffe.set_random_seed``."""
+    torch.manual_seed(int(seed))
+
+
+def configure(device=None, keep_memory: bool = False) -> None:
+    """Apply the process-wide settings a run on ``device`` needs (see the module docstring)."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+    elif keep_memory:
+        keep_freed_memory()
+
+
+def keep_freed_memory() -> bool:
+    """Tune glibc's malloc as described above (once per process); True when it is in effect."""
+    if _done:
+        return _done[0]
+    ok = False
+    if os.environ.get("BREWNET_KEEP_MEMORY", "1") != "0" and platform.libc_ver()[0] == "glibc":
+        try:
+            mallopt = ctypes.CDLL(None).mallopt
+            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+            ok = bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1)) and bool(mallopt(M_MMAP_MAX, 0))
+        except (OSError, AttributeError):
+            ok = False
+        log.debug("glibc malloc keeps freed memory for reuse: %s", ok)
+    _done.append(ok)
+    return ok
