@@ -422,12 +422,13 @@ class Net:
             _add_grad(p, g)
 
     # -- per-layer steps --------------------------------------------------------------------
-    def forward_layer(self, i: int) -> list[torch.Tensor]:
+    def forward_layer(self, i: int, train: bool = False) -> list[torch.Tensor]:
         """Run layer ``i`` alone (Caffe's ``ForwardFromTo(i, i)``): its bottoms read from their
         blobs (as leaves where Caffe would backpropagate), its tops written to theirs; records
-        the layer's own graph for ``backward_layer``. Returns the tops."""
+        the layer's own graph for ``backward_layer``. Returns the tops. ``train``: record the
+        graph even in a net without a loss (``brewnet time`` times deploy nets as training)."""
         layer = self.layer_list[i]
-        grad = self._needs_backward and torch.is_grad_enabled()
+        grad = (train or self._needs_backward) and torch.is_grad_enabled()
         if layer.type == "Input":
             self._fed = {}
             for n in self.top_lists[i]:
@@ -455,14 +456,15 @@ class Net:
             out.append(x)
         return out
 
-    def backward_layer(self, i: int, done: set | None = None, blob_diffs: bool = True) -> None:
+    def backward_layer(self, i: int, done: set | None = None, blob_diffs: bool = True,
+                       train: bool = False) -> None:
         """Layer ``i``'s backward alone (Caffe's ``BackwardFromTo(i, i)``): from its tops' diffs
         to its bottoms' diffs (overwritten, as Caffe's) and its params' gradients (accumulated).
         Over a pass, ``done`` collects the blob names already given a diff, so a blob several
         layers read sums their diffs (what Caffe's inserted Split layers do). Without a recorded
         graph the layer's forward is re-run on the blobs' current data (tops left as they are)."""
         layer = self.layer_list[i]
-        if layer.type == "Input" or not self._needs_backward:
+        if layer.type == "Input" or not (train or self._needs_backward):
             return
         graph = self._ran.get(i)
         if graph is None:

@@ -57,11 +57,11 @@ def layerwise_gradients(net) -> tuple[dict, dict]:
         p.grad = None
     _zero_output_diffs(net)
     for i in range(len(net.layer_list)):
-        net.forward_layer(i)
+        net.forward_layer(i, train=True)
     done: set = set()
     seen: set = set()
     for i in reversed(range(len(net.layer_list))):
-        net.backward_layer(i, done)
+        net.backward_layer(i, done, train=True)
         seen |= done
     diffs = {n: net.blobs[n].diff_tensor.clone() for n in seen}
     grads = {(l.name, j): p.grad.clone() for l in net.layer_list for j, p in enumerate(l.blobs)
@@ -86,7 +86,7 @@ def time_net(net, iterations: int, on_iteration=None, warmup: int = 1) -> Timing
         it0 = time.perf_counter()
         for i in range(n):
             t0 = time.perf_counter()
-            net.forward_layer(i)
+            net.forward_layer(i, train=True)
             _sync(device)
             timing.forward_ms[i] += (time.perf_counter() - t0) * 1e3
         timing.forward_total_ms += (time.perf_counter() - it0) * 1e3
@@ -96,7 +96,7 @@ def time_net(net, iterations: int, on_iteration=None, warmup: int = 1) -> Timing
         done: set = set()
         for i in reversed(range(n)):
             t0 = time.perf_counter()
-            net.backward_layer(i, done)
+            net.backward_layer(i, done, train=True)
             _sync(device)
             timing.backward_ms[i] += (time.perf_counter() - t0) * 1e3
         timing.backward_total_ms += (time.perf_counter() - bw0) * 1e3

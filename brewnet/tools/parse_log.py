@@ -2,7 +2,7 @@
 
 Writes ``OUTDIR/<log name>.train`` and ``.test``: CSV (excel dialect) with columns NumIters,
 Seconds, LearningRate and one per net output, rows as Caffe's script assembles them (see
-``brewnet.logparse``). OUTDIR defaults to the log's folder.
+``brewnet.analysis.logparse``). OUTDIR defaults to the log's folder.
 """
 from __future__ import annotations
 

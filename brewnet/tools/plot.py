@@ -1,7 +1,7 @@
 """``brewnet plot LOG [-o OUT.png]``: the training curves of a Caffe or brewnet log as a PNG.
 
 Three panels against iteration: train outputs with the test losses, the test net's other
-outputs (accuracy...), and the learning rate. Parsing is ``brewnet.logparse`` (Caffe's
+outputs (accuracy...), and the learning rate. Parsing is ``brewnet.analysis.logparse`` (Caffe's
 ``parse_log.py`` rules); drawing uses matplotlib's Agg canvas, so no display is needed.
 """
 from __future__ import annotations
