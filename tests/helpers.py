@@ -22,10 +22,7 @@ def make_layer(text: str, bottom_shapes, phase=pb.TEST):
     """Parse a ``layer { ... }`` body, set the layer up; returns (layer, top_shapes)."""
     p = layer_param(text)
     layer = layer_class(p.type, p.name)(p, phase)
-    layer.check_counts(len(p.bottom), len(p.top))
-    shapes = [tuple(s) for s in bottom_shapes]
-    layer.setup(shapes)
-    return layer, layer.reshape(shapes)
+    return layer, layer.set_up(bottom_shapes)
 
 
 def gradcheck_layer(layer, bottoms, grad_bottoms=None, check_params=True, **kw) -> bool:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from brewnet import Net
+from brewnet.layers import LAYERS as LAYER_TYPES
 from brewnet.proto import caffe_pb2 as pb
 
 from helpers import GOLDEN
@@ -25,19 +26,14 @@ from helpers import GOLDEN
 LAYERS = GOLDEN / "layers"
 CASES = json.loads((LAYERS / "index.json").read_text())["cases"] if (LAYERS / "index.json").exists() else []
 
-EXACT = {"ArgMax", "Accuracy"}
-ELEMENTWISE = {"ReLU", "ELU", "Sigmoid", "TanH", "AbsVal", "BNLL", "Power", "Exp", "Log",
-               "Threshold", "Dropout", "Clip", "Swish", "Pooling", "SPP", "Silence", "Split",
-               "Concat", "Slice", "Eltwise", "Flatten", "Reshape", "Crop", "Tile", "Filter",
-               "BatchReindex", "Parameter", "Im2col"}
-
-
 def tolerances(layer_type: str, what: str) -> dict:
-    if layer_type in EXACT:
+    """From what the layer declares of its arithmetic (``Layer.arithmetic``, ``routing``)."""
+    cls = LAYER_TYPES[layer_type]
+    if cls.arithmetic == "exact":
         return dict(rtol=0, atol=0)
-    if layer_type in ELEMENTWISE:
+    if cls.routing or cls.arithmetic == "elementwise":
         return dict(rtol=1e-6, atol=1e-6)
-    if layer_type.endswith("Loss"):
+    if cls.is_loss:
         return dict(rtol=1e-5, atol=1e-7) if what == "top" else dict(rtol=1e-4, atol=1e-6)
     return dict(rtol=1e-4, atol=1e-5)
 

@@ -70,6 +70,10 @@ class Layer:
     wrap_errors: ClassVar[bool] = True
     # Data and routing layers move or select values: no arithmetic (0 FLOPs).
     routing: ClassVar[bool] = False
+    # How a float32 result relates to Caffe's: "exact" (integer-valued: indices, counts),
+    # "elementwise" (each output from a few inputs: an ulp apart at most), or "reduction" (sums
+    # over many inputs in another order than OpenBLAS: relative 1e-5-ish). Routing is elementwise.
+    arithmetic: ClassVar[str] = "reduction"
 
     def __init__(self, param, phase: int):
         self.param = param            # caffe_pb2.LayerParameter
@@ -80,13 +84,14 @@ class Layer:
     # -- lifecycle -------------------------------------------------------------------------
     def set_up(self, bottom_shapes: Sequence[Shape]) -> list[Shape]:
         """Caffe's ``SetUp``: check counts, ``setup``, ``reshape``; returns the top shapes. An
-        unexpected exception becomes a LayerError naming the layer and the bottom shapes."""
+        unexpected exception becomes a LayerError naming the layer and the bottom shapes (a
+        NotImplementedError, which names the missing feature, passes as it is)."""
         shapes = [tuple(int(d) for d in s) for s in bottom_shapes]
         try:
             self.check_counts(len(shapes), self.num_tops)
             self.setup(shapes)
             return self.top_shapes(shapes)
-        except LayerError:
+        except (LayerError, NotImplementedError):
             raise
         except Exception as e:
             if not self.wrap_errors:

@@ -138,6 +138,7 @@ class Eltwise(Layer):
     Differs from Caffe: stable_prod_grad false (x-product / x_i) is not reproduced; PROD always
     uses the exact product of the other bottoms (Caffe's default, which has no 0/0)."""
 
+    arithmetic = "elementwise"
     min_bottoms = 2
     exact_tops = 1
 
@@ -233,6 +234,7 @@ class ArgMax(Layer):
     out_max_val. Params: argmax_param {out_max_val, top_k, axis}. Ties: higher index first.
     No backward."""
 
+    arithmetic = "exact"
     exact_bottoms = 1
     exact_tops = 1
 

@@ -407,6 +407,7 @@ class Accuracy(Layer):
     count against); the mean is over non-ignored labels (0 if none).
     """
 
+    arithmetic = "exact"
     exact_bottoms = 2
     min_tops = 1
     max_tops = 2

@@ -97,6 +97,7 @@ def dropout(x, ratio: float, train: bool):
 class Neuron(Layer):
     """Base for elementwise layers: one bottom, one top shaped like it."""
 
+    arithmetic = "elementwise"
     exact_bottoms = 1
     exact_tops = 1
 
@@ -115,6 +116,8 @@ class PReLU(Neuron):
     """ReLU with learned negative slopes, one per channel (axis 1) or one shared.
     Shapes: (N, C, ...) -> same. Params: prelu_param.filler (default constant 0.25),
     channel_shared. Blob: slopes (C,), or a 0-D scalar when channel_shared (as Caffe)."""
+
+    arithmetic = "reduction"     # the slope gradient sums over N, H, W
 
     def setup(self, bottom_shapes):
         if len(bottom_shapes[0]) < 2:

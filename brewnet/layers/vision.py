@@ -165,6 +165,7 @@ class Im2col(Layer):
     *_h/*_w), axis. Backward is col2im (summing overlaps).
     """
 
+    arithmetic = "elementwise"
     exact_bottoms = 1
     exact_tops = 1
 
@@ -238,6 +239,7 @@ class Pooling(Layer):
     (see functional.max_pool2d / ave_pool2d).
     """
 
+    arithmetic = "elementwise"
     exact_bottoms = 1
     min_tops = 1
     max_tops = 2
@@ -315,6 +317,7 @@ class SPP(Layer):
     pad >= kernel (input too small for the number of bins).
     """
 
+    arithmetic = "elementwise"
     exact_bottoms = 1
     exact_tops = 1
 
