@@ -20,10 +20,10 @@ import pytest
 from brewnet.net import Net
 from brewnet.proto import caffe_pb2 as pb
 
-from helpers import GOLDEN
+from helpers import GOLDEN_LAYERS as LAYERS
 
-LAYERS = GOLDEN / "layers"
-CASES = json.loads((LAYERS / "index.json").read_text())["cases"] if (LAYERS / "index.json").exists() else []
+INDEX = json.loads((LAYERS / "index.json").read_text())
+CASES = INDEX["cases"]
 
 EXACT = {"ArgMax", "Accuracy"}
 ELEMENTWISE = {"ReLU", "ELU", "Sigmoid", "TanH", "AbsVal", "BNLL", "Power", "Exp", "Log",
@@ -47,6 +47,12 @@ def _producer(net: Net, blob: str):
         if blob in tops:
             return layer
     raise KeyError(blob)
+
+
+def test_every_indexed_case_is_there():
+    # A golden set missing files (or the index missing cases) must fail, not test fewer.
+    assert len(CASES) == INDEX["count"] > 0
+    assert sorted(c["file"] for c in CASES) == sorted(p.name for p in LAYERS.glob("*.npz"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["file"][:-4] for c in CASES])
