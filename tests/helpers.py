@@ -1,17 +1,61 @@
 """Shared test helpers: build one layer from text, check its gradient in float64."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 import torch
 from google.protobuf import text_format
 
 from brewnet.layers import layer_class
 from brewnet.proto import caffe_pb2 as pb
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-GOLDEN = SHARED / "golden"
-MODELS = SHARED / "caffe-models"
+# The shared data (default: ../shared next to the checkout). Small text and golden data are also
+# vendored under tests/data (see its README); the large artefacts are only here.
+SHARED = Path(os.environ.get("BREWNET_SHARED") or Path(__file__).resolve().parents[2] / "shared")
+VENDORED = Path(__file__).resolve().parent / "data"
+
+
+def pick(rel: str) -> Path:
+    """SHARED/rel when it exists (so a golden set dropped there, e.g. a hidden one, is the one
+    tested), else the vendored copy."""
+    return SHARED / rel if (SHARED / rel).exists() else VENDORED / rel
+
+
+GOLDEN = SHARED / "golden"              # lmdb/ and models/: large, shared only
+GOLDEN_LAYERS = pick("golden/layers")
+GOLDEN_SOLVERS = pick("golden/solvers")
+GOLDEN_NETS = pick("golden/nets")
+MODELS = pick("caffe-models")           # vendored: the .prototxt files (not vgg/, densenet/)
+_GROUPS = ("golden/lmdb", "golden/models", "caffe-models")
+
+
+def _missing_group(path: Path) -> str | None:
+    """The shared group (one of _GROUPS) ``path`` belongs to, when it is absent and so is the file."""
+    if path.exists():
+        return None
+    for root in (SHARED, VENDORED):
+        if path.is_relative_to(root):
+            rel = path.relative_to(root).as_posix()
+            group = next((g for g in _GROUPS if rel == g or rel.startswith(g + "/")), None)
+            return group if group and not (SHARED / group).is_dir() else None
+    return None
+
+
+def have(path) -> bool:
+    """False when ``path`` is missing because the shared data is not here (a loop may pass it)."""
+    return _missing_group(Path(path)) is None
+
+
+def need(path) -> Path:
+    """``path``, or skip when it is missing because its shared group is not here: one reason per
+    group. A file missing from a present group is returned, so the test fails on it."""
+    group = _missing_group(Path(path))
+    if group:
+        pytest.skip(f"needs {group}/ of the shared data (set BREWNET_SHARED; default ../shared)",
+                    allow_module_level=True)
+    return Path(path)
 
 
 def layer_param(text: str) -> "pb.LayerParameter":

@@ -21,7 +21,7 @@ from brewnet.analysis.logparse import parse_log
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import blob_to_array, read_binary, read_net, write_text
 
-from helpers import GOLDEN, MODELS
+from helpers import GOLDEN, MODELS, need
 
 REPO = Path(__file__).resolve().parents[1]
 LENET_DEPLOY = MODELS / "bvlc" / "examples" / "mnist" / "lenet.prototxt"
@@ -195,7 +195,7 @@ def test_time_with_a_missing_lmdb_names_it(tmp_path, capsys, monkeypatch):
 def _lenet_reference(c: float):
     """LeNet on an image of constant value c, in numpy from the caffemodel's blobs: every
     feature map is constant, so conv = c * sum(w) + b and max pooling keeps the value."""
-    model = read_binary(ETHEREON / "lenet_iter_10000.caffemodel", pb.NetParameter())
+    model = read_binary(need(ETHEREON / "lenet_iter_10000.caffemodel"), pb.NetParameter())
     w = {l.name: [blob_to_array(b).astype(np.float64) for b in l.blobs] for l in model.layer if l.blobs}
     h = c * w["conv1"][0].sum(axis=(1, 2, 3)) + w["conv1"][1]
     h = w["conv2"][0].sum(axis=(2, 3)) @ h + w["conv2"][1]
@@ -250,7 +250,7 @@ def test_test_command_on_mnist_matches_caffe(tmp_path, capsys):
     Caffe's logits for the same images and weights (golden lenet_mnist.npz)."""
     import h5py
 
-    z = np.load(GOLDEN / "models" / "lenet_mnist.npz")
+    z = np.load(need(GOLDEN / "models" / "lenet_mnist.npz"))
     with h5py.File(tmp_path / "mnist.h5", "w") as f:
         f["data"] = z["input"]
         f["label"] = z["labels"].astype(np.float32)
@@ -263,7 +263,7 @@ def test_test_command_on_mnist_matches_caffe(tmp_path, capsys):
     net.layer.add(name="loss", type="SoftmaxWithLoss", bottom=["ip2", "label"], top=["loss"])
     write_text(tmp_path / "lenet_h5.prototxt", net)
     assert main(["test", "--model", str(tmp_path / "lenet_h5.prototxt"), "--weights",
-                 str(ETHEREON / "lenet_iter_10000.caffemodel"), "--iterations", "4"]) == 0
+                 str(need(ETHEREON / "lenet_iter_10000.caffemodel")), "--iterations", "4"]) == 0
     msgs = log_messages(capsys.readouterr().err)
     logits = z["lenet_ethereon/ip2"].astype(np.float64).reshape(4, 64, 10)
     labels = z["labels"].reshape(4, 64)
@@ -415,7 +415,7 @@ def test_train_lenet_from_caffes_lmdb_then_test_agrees(tmp_path, capsys, monkeyp
     monkeypatch.chdir(tmp_path)
     text = (MODELS / "bvlc" / "examples" / "mnist" / "lenet_train_test.prototxt").read_text()
     for old in ("examples/mnist/mnist_train_lmdb", "examples/mnist/mnist_test_lmdb"):
-        text = text.replace(old, str(FASHION_LMDB))
+        text = text.replace(old, str(need(FASHION_LMDB)))
     text = text.replace("batch_size: 64", "batch_size: 16").replace("batch_size: 100", "batch_size: 16")
     (tmp_path / "net.prototxt").write_text(text)
     (tmp_path / "solver.prototxt").write_text(

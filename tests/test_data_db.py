@@ -22,7 +22,7 @@ from brewnet.data.transform import datum_to_chw
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import read_binaryproto
 
-from helpers import GOLDEN, MODELS
+from helpers import GOLDEN, MODELS, need
 
 LMDB_DIR = GOLDEN / "lmdb" / "fashion_mnist_test_lmdb"
 MEAN_FILE = GOLDEN / "lmdb" / "fashion_mnist_test_mean.binaryproto"
@@ -34,7 +34,7 @@ IMAGES = [MODELS / "images" / n for n in ("astronaut.png", "chelsea.png", "coffe
 
 @pytest.fixture(scope="module")
 def caffe_records():
-    return list(open_db(LMDB_DIR).items())
+    return list(open_db(need(LMDB_DIR)).items())
 
 
 # -- Caffe's LMDB ------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def test_caffe_lmdb_decodes_record_for_record(caffe_records):
 def test_compute_mean_equals_caffe_file(tmp_path, caplog):
     out = tmp_path / "mean.binaryproto"
     with caplog.at_level(logging.INFO, logger="brewnet"):
-        assert cli.main(["compute-mean", "-backend=lmdb", str(LMDB_DIR), str(out)]) == 0
+        assert cli.main(["compute-mean", "-backend=lmdb", str(need(LMDB_DIR)), str(out)]) == 0
     assert out.read_bytes() == MEAN_FILE.read_bytes()          # the very bytes Caffe wrote
     np.testing.assert_array_equal(read_binaryproto(out), np.load(REF)["mean"])
     assert "mean_value channel [0]: 73.14" in caplog.text
@@ -79,8 +79,8 @@ def test_convert_mnist_writes_caffes_records(tmp_path, caffe_records, gz):
 
 
 def test_convert_mnist_cli_on_real_mnist(tmp_path):
-    ref = np.load(GOLDEN / "models" / "lenet_mnist.npz")
-    rc = cli.main(["convert-mnist", str(MNIST / "t10k-images-idx3-ubyte.gz"),
+    ref = np.load(need(GOLDEN / "models" / "lenet_mnist.npz"))
+    rc = cli.main(["convert-mnist", str(need(MNIST) / "t10k-images-idx3-ubyte.gz"),
                    str(MNIST / "t10k-labels-idx1-ubyte.gz"), str(tmp_path / "mnist_test_lmdb"),
                    "--backend=lmdb"])
     assert rc == 0
@@ -111,7 +111,7 @@ def _read_back(path):
 
 
 def test_convert_imageset_raw_matches_source_images(tmp_path):
-    names = [str(p) for p in IMAGES]
+    names = [str(need(p)) for p in IMAGES]
     rc = cli.main(["convert-imageset", "", str(_list(tmp_path, names)), str(tmp_path / "db")])
     assert rc == 0
     got = _read_back(tmp_path / "db")
@@ -128,7 +128,7 @@ def test_convert_imageset_raw_matches_source_images(tmp_path):
 
 
 def test_convert_imageset_encoded_gray_resize(tmp_path):
-    root = str(MODELS / "bvlc" / "examples" / "images") + "/"
+    root = str(need(MODELS / "bvlc" / "examples" / "images")) + "/"
     lst = _list(tmp_path, ["cat.jpg", "fish-bike.jpg"], [3, 5])
     # -encoded keeps the file's own bytes when nothing changes them.
     assert cli.main(["convert-imageset", "-encoded", root, str(lst), str(tmp_path / "enc")]) == 0
@@ -151,7 +151,7 @@ def test_convert_imageset_encoded_gray_resize(tmp_path):
 
 
 def test_convert_imageset_shuffle_keeps_labels(tmp_path):
-    names = [f"{IMAGES[3]}"] * 12
+    names = [f"{need(IMAGES[3])}"] * 12
     lst = tmp_path / "list.txt"
     lst.write_text("".join(f"{n} {i}\n" for i, n in enumerate(names)))
     convert_imageset("", lst, tmp_path / "db", shuffle=True, resize_height=8, resize_width=8,
@@ -164,7 +164,7 @@ def test_convert_imageset_shuffle_keeps_labels(tmp_path):
 
 def test_convert_imageset_missing_file_names_line(tmp_path, caplog):
     lst = tmp_path / "list.txt"
-    lst.write_text(f"{IMAGES[3]} 0\n\n{tmp_path}/nope.jpg 1\n{IMAGES[5]} 2\n")
+    lst.write_text(f"{need(IMAGES[3])} 0\n\n{tmp_path}/nope.jpg 1\n{IMAGES[5]} 2\n")
     with caplog.at_level(logging.WARNING, logger="brewnet"):
         stats = convert_imageset("", lst, tmp_path / "db", progress=False)
     assert stats["written"] == 2 and stats["skipped"] == [(3, f"{tmp_path}/nope.jpg")]
@@ -173,14 +173,14 @@ def test_convert_imageset_missing_file_names_line(tmp_path, caplog):
 
 
 def test_convert_imageset_check_size(tmp_path):
-    lst = _list(tmp_path, [str(IMAGES[3]), str(IMAGES[5])])
+    lst = _list(tmp_path, [str(need(IMAGES[3])), str(IMAGES[5])])
     with pytest.raises(ValueError, match="line 2.*fish-bike.jpg.*(3, 323, 481).*(3, 360, 480)"):
         convert_imageset("", lst, tmp_path / "db", check_size=True, progress=False)
 
 
 def test_convert_imageset_bad_list_line(tmp_path):
     lst = tmp_path / "list.txt"
-    lst.write_text(f"{IMAGES[3]} 0\n{IMAGES[3]}\n")
+    lst.write_text(f"{need(IMAGES[3])} 0\n{IMAGES[3]}\n")
     assert cli.main(["convert-imageset", "", str(lst), str(tmp_path / "db")]) == 1
 
 
@@ -243,7 +243,7 @@ def test_leveldb_round_trip_or_clear_error(tmp_path, monkeypatch):
     except ImportError:
         plyvel = None
     if plyvel is not None:
-        convert_mnist(MNIST / "t10k-images-idx3-ubyte.gz", MNIST / "t10k-labels-idx1-ubyte.gz",
+        convert_mnist(need(MNIST) / "t10k-images-idx3-ubyte.gz", MNIST / "t10k-labels-idx1-ubyte.gz",
                       tmp_path / "ldb", backend="leveldb", progress=False)
         convert_mnist(MNIST / "t10k-images-idx3-ubyte.gz", MNIST / "t10k-labels-idx1-ubyte.gz",
                       tmp_path / "lmdb", progress=False)

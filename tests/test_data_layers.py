@@ -17,7 +17,7 @@ from brewnet.data.db import open_writer
 from brewnet.layers import LayerError
 from brewnet.proto import caffe_pb2 as pb
 
-from helpers import GOLDEN, MODELS, make_layer
+from helpers import GOLDEN, MODELS, make_layer, need
 
 TEST_DATA = MODELS / "bvlc" / "src" / "caffe" / "test" / "test_data"
 IMAGES = MODELS / "bvlc" / "examples" / "images"
@@ -30,7 +30,7 @@ def test_hdf5_data_caffe_test_read(monkeypatch):
     # The list names files relative to Caffe's root, as Caffe's test runs them.
     monkeypatch.chdir(MODELS / "bvlc")
     layer, tops = make_layer(f'name: "h" type: "HDF5Data" top: "data" top: "label" top: "label2" '
-                             f'hdf5_data_param {{ source: "{TEST_DATA}/sample_data_list.txt" batch_size: 5 }}', [])
+                             f'hdf5_data_param {{ source: "{need(TEST_DATA)}/sample_data_list.txt" batch_size: 5 }}', [])
     assert tops == [(5, 8, 6, 5), (5, 1), (5, 1)]
     size = 8 * 6 * 5
     for it in range(10):
@@ -46,7 +46,7 @@ def test_hdf5_data_caffe_test_read(monkeypatch):
 
 def test_hdf5_data_paths_relative_to_list_and_shuffle(tmp_path):
     for f in ("sample_data.h5", "sample_data_2_gzip.h5"):
-        shutil.copy(TEST_DATA / f, tmp_path / f)
+        shutil.copy(need(TEST_DATA) / f, tmp_path / f)
     (tmp_path / "list.txt").write_text("sample_data.h5\nsample_data_2_gzip.h5\n")
     torch.manual_seed(3)
     layer, _ = make_layer(f'name: "h" type: "HDF5Data" top: "data" top: "label" '
@@ -64,7 +64,7 @@ def test_hdf5_data_errors(tmp_path):
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(LayerError, match="at least 1 HDF5 filename"):
         make_layer(f'name: "h" type: "HDF5Data" top: "data" hdf5_data_param {{ source: "{tmp_path}/empty.txt" batch_size: 2 }}', [])
-    (tmp_path / "list.txt").write_text(f"{TEST_DATA}/sample_data.h5\n")
+    (tmp_path / "list.txt").write_text(f"{need(TEST_DATA)}/sample_data.h5\n")
     with pytest.raises(LayerError, match="no dataset 'targets'.*'data', 'label', 'label2'"):
         make_layer(f'name: "h" type: "HDF5Data" top: "targets" hdf5_data_param {{ source: "{tmp_path}/list.txt" batch_size: 2 }}', [])
     with pytest.raises(LayerError, match="batch_size must be positive"):
@@ -76,7 +76,7 @@ def test_hdf5_output_writes_and_appends(tmp_path):
     layer, tops = make_layer(f'name: "o" type: "HDF5Output" bottom: "data" bottom: "label" '
                              f'hdf5_output_param {{ file_name: "{out}" }}', [(10, 8, 6, 5), (10, 1)])
     assert tops == []
-    with h5py.File(TEST_DATA / "sample_data.h5") as f:
+    with h5py.File(need(TEST_DATA) / "sample_data.h5") as f:
         data, label = f["data"][()], f["label"][()]
     assert layer.forward([torch.from_numpy(data), torch.from_numpy(label)]) == []
     with h5py.File(out) as f:     # Caffe's test_hdf5_output_layer: read back equal, 4-D label
@@ -95,7 +95,7 @@ def test_hdf5_output_writes_and_appends(tmp_path):
 def _image_layer(tmp_path, names, extra="", phase=pb.TEST, batch=None):
     lst = tmp_path / "list.txt"
     lst.write_text("".join(f"{n} {i}\n" for i, n in enumerate(names)))
-    params = f'source: "{lst}" root_folder: "{IMAGES}/" batch_size: {batch or len(names)} {extra}'
+    params = f'source: "{lst}" root_folder: "{need(IMAGES)}/" batch_size: {batch or len(names)} {extra}'
     return make_layer(f'name: "img" type: "ImageData" top: "data" top: "label" '
                       f'image_data_param {{ {params} }}', [], phase)
 
@@ -138,15 +138,15 @@ def test_image_data_missing_file_names_line(tmp_path):
 
 
 # -- Data (LMDB) through a Net -----------------------------------------------------------------
-def data_net(extra_data="", transform="scale: 0.00390625", batch=64, source=LMDB_DIR, phase=pb.TEST):
+def data_net(extra_data="", transform="scale: 0.00390625", batch=64, source=None, phase=pb.TEST):
     return brewnet.Net(f'''name: "d"
 layer {{ name: "mnist" type: "Data" top: "data" top: "label"
-  data_param {{ source: "{source}" batch_size: {batch} backend: LMDB {extra_data} }}
+  data_param {{ source: "{source or need(LMDB_DIR)}" batch_size: {batch} backend: LMDB {extra_data} }}
   transform_param {{ {transform} }} }}''', phase)
 
 
 def test_data_layer_through_net():
-    ref = np.load(REF)
+    ref = np.load(need(REF))
     net = data_net()
     assert net.blobs["data"].shape == (64, 1, 28, 28) and net.blobs["label"].shape == (64,)
     out = net.forward()
@@ -158,7 +158,7 @@ def test_data_layer_through_net():
 
 
 def test_data_layer_wraps_and_prefetch_off_is_identical():
-    ref = np.load(REF)["labels"]
+    ref = np.load(need(REF))["labels"]
     a, b = data_net(batch=3000), data_net("prefetch: 0", batch=3000)
     for k in range(4):                      # 12000 records: wraps after 10000
         la, lb = a.forward()["label"], b.forward()["label"]
@@ -168,7 +168,7 @@ def test_data_layer_wraps_and_prefetch_off_is_identical():
 
 
 def test_data_layer_centre_crop_at_test_and_rand_skip():
-    ref = np.load(REF)
+    ref = np.load(need(REF))
     out = data_net(transform="crop_size: 24").forward()["data"]
     np.testing.assert_array_equal(out[:, 0], ref["first_images"][:, 2:26, 2:26])
     torch.manual_seed(5)
@@ -187,7 +187,7 @@ def test_data_layer_encoded_records_equal_raw(tmp_path):
     lst = tmp_path / "l.txt"
     lst.write_text("cat.jpg 0\nfish-bike.jpg 1\n")
     common = dict(resize_height=40, resize_width=50, progress=False)
-    convert_imageset(f"{IMAGES}/", lst, tmp_path / "enc", encode_type="png", **common)
+    convert_imageset(f"{need(IMAGES)}/", lst, tmp_path / "enc", encode_type="png", **common)
     convert_imageset(f"{IMAGES}/", lst, tmp_path / "raw", **common)
     enc = data_net(batch=2, source=tmp_path / "enc", transform="mean_value: 104 mean_value: 117 mean_value: 123")
     raw = data_net(batch=2, source=tmp_path / "raw", transform="mean_value: 104 mean_value: 117 mean_value: 123")
@@ -205,7 +205,7 @@ def test_data_layer_errors(tmp_path):
     with pytest.raises(LayerError, match="record '00000001' is not a valid Datum"):
         net.forward()
     with pytest.raises(LayerError, match="mean.binaryproto"):
-        data_net(transform=f'mean_file: "{GOLDEN}/lmdb/missing/mean.binaryproto"')
+        data_net(source=tmp_path / "db", transform=f'mean_file: "{tmp_path}/missing/mean.binaryproto"')
 
 
 # -- WindowData --------------------------------------------------------------------------------
@@ -265,22 +265,24 @@ def test_window_data_errors(tmp_path):
 # -- prefetch ----------------------------------------------------------------------------------
 def test_prefetcher_bounded_ordered_and_reraises():
     import threading
-    import time
 
     from brewnet.data.prefetch import Prefetcher
 
-    made = []
+    made, made_3 = [], threading.Event()
 
     def make():
         made.append(len(made))
+        if len(made) == 4:
+            made_3.set()
         if len(made) == 8:
             raise KeyError("record 7")
         return made[-1]
 
     p = Prefetcher(make, depth=2)
     assert p.get() == 0
-    time.sleep(0.3)                       # the producer fills the queue and then blocks
-    assert len(made) <= 1 + 2 + 1
+    # The producer puts 1 and 2, makes 3 and blocks on the full queue: nothing more is made
+    # until the consumer takes one (the timeout only bounds a failure).
+    assert made_3.wait(60) and p._queue.full() and len(made) == 4
     assert [p.get() for _ in range(6)] == [1, 2, 3, 4, 5, 6]
     with pytest.raises(KeyError, match="record 7"):
         p.get()

@@ -7,7 +7,7 @@ import pytest
 import brewnet as caffe
 from brewnet import Net
 
-from helpers import MODELS
+from helpers import MODELS, need
 
 LENET = MODELS / "trained/lenet_mnist_ethereon/examples/mnist"
 
@@ -51,13 +51,13 @@ def test_caffemodel_shape_mismatch_names_layer_and_both_shapes(tmp_path):
     p = tmp_path / "lenet400.prototxt"
     p.write_text(text)
     with pytest.raises(ValueError) as e:
-        Net(str(p), caffe.TEST, weights=str(LENET / "lenet_iter_10000.caffemodel"))
+        Net(str(p), caffe.TEST, weights=str(need(LENET / "lenet_iter_10000.caffemodel")))
     msg = str(e.value)
     assert "ip1" in msg and "(500, 800)" in msg and "(400, 800)" in msg
 
 
 def test_truncated_caffemodel(tmp_path):
-    data = (LENET / "lenet_iter_10000.caffemodel").read_bytes()
+    data = need(LENET / "lenet_iter_10000.caffemodel").read_bytes()
     p = tmp_path / "cut.caffemodel"
     p.write_bytes(data[: len(data) // 2])
     net = Net(str(LENET / "lenet.prototxt"), caffe.TEST)

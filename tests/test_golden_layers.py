@@ -21,10 +21,10 @@ from brewnet import Net
 from brewnet.layers import LAYERS as LAYER_TYPES
 from brewnet.proto import caffe_pb2 as pb
 
-from helpers import GOLDEN
+from helpers import GOLDEN_LAYERS as LAYERS
 
-LAYERS = GOLDEN / "layers"
-CASES = json.loads((LAYERS / "index.json").read_text())["cases"] if (LAYERS / "index.json").exists() else []
+INDEX = json.loads((LAYERS / "index.json").read_text())
+CASES = INDEX["cases"]
 
 def tolerances(layer_type: str, what: str) -> dict:
     """From what the layer declares of its arithmetic (``Layer.arithmetic``, ``routing``)."""
@@ -43,6 +43,12 @@ def _producer(net: Net, blob: str):
         if blob in tops:
             return layer
     raise KeyError(blob)
+
+
+def test_every_indexed_case_is_there():
+    # A golden set missing files (or the index missing cases) must fail, not test fewer.
+    assert len(CASES) == INDEX["count"] > 0
+    assert sorted(c["file"] for c in CASES) == sorted(p.name for p in LAYERS.glob("*.npz"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["file"][:-4] for c in CASES])

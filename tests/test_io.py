@@ -10,7 +10,7 @@ from PIL import Image
 import brewnet as caffe
 from brewnet.proto import caffe_pb2
 
-from helpers import MODELS
+from helpers import MODELS, need
 
 IMAGES = MODELS / "bvlc" / "examples" / "images"
 
@@ -115,7 +115,7 @@ def test_transformer_resizes_and_checks():
 
 # -- images ------------------------------------------------------------------------------------
 def test_load_image_rgb_float_and_gray():
-    img = caffe.io.load_image(MODELS / "images" / "chelsea.png")
+    img = caffe.io.load_image(need(MODELS / "images" / "chelsea.png"))
     ref = np.asarray(Image.open(MODELS / "images" / "chelsea.png").convert("RGB"))
     assert img.shape == (300, 451, 3) and img.dtype == np.float32
     np.testing.assert_allclose(img, ref / 255.0, atol=1e-7)      # RGB order, [0, 1]

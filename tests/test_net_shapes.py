@@ -10,15 +10,15 @@ import pytest
 from brewnet import Net
 from brewnet.proto.io import read_net
 
-from helpers import GOLDEN, MODELS, swap_data_layers
+from helpers import GOLDEN_NETS, MODELS, need, swap_data_layers
 
-SHAPES = json.loads((GOLDEN / "nets" / "shapes.json").read_text())
+SHAPES = json.loads((GOLDEN_NETS / "shapes.json").read_text())
 NETS = SHAPES["nets"]
 NOTE = re.compile(r"^\w+ layer '[^']*' -> Input (\[\[.*\]\])")
 
 
 def build(path: str, notes) -> Net:
-    param = read_net(str(MODELS / path))
+    param = read_net(str(need(MODELS / path)))
     swaps = [json.loads(m.group(1)) for m in map(NOTE.match, notes) if m]
     if swaps:
         param = swap_data_layers(param, swaps)
@@ -49,7 +49,7 @@ PRIORS = {"mobilenet-ssd": 1917, "ssd": 8732}   # SSD300: 8732 default boxes; Mo
 
 
 def build_failed(path: str) -> Net:
-    param = read_net(str(MODELS / path))
+    param = read_net(str(need(MODELS / path)))
     data = [l for l in param.layer if l.type == "AnnotatedData"]
     phase = 0 if path.endswith("train.prototxt") else 1   # train files have only a TRAIN data layer
     if data:

@@ -24,7 +24,7 @@ from google.protobuf import text_format
 import brewnet as caffe
 from brewnet.proto import caffe_pb2 as pb
 
-from helpers import MODELS
+from helpers import MODELS, need
 from opencv_cases import UNIT_CASES, fold_cases, seed_of
 
 cv2 = pytest.importorskip("cv2")
@@ -227,7 +227,7 @@ MODEL_CASES = [
 @pytest.mark.filterwarnings("ignore:.*save_output_param")    # SSD300's deploy asks for files
 @pytest.mark.parametrize("id, path, shape, extra, gains", MODEL_CASES, ids=[m[0] for m in MODEL_CASES])
 def test_model_matches_opencv(id, path, shape, extra, gains, tmp_path):
-    proto = MODELS / path
+    proto = need(MODELS / path)
     net = caffe.Net(str(proto), caffe.TEST)
     types = {l.name: l.type for l in net.layer_list}
     rng = np.random.default_rng(seed_of(id))

@@ -7,7 +7,7 @@ import pytest
 
 import brewnet as caffe
 
-from helpers import MODELS
+from helpers import MODELS, need
 
 LENET = MODELS / "trained/lenet_mnist_ethereon/examples/mnist"
 PROTO, WEIGHTS = str(LENET / "lenet.prototxt"), str(LENET / "lenet_iter_10000.caffemodel")
@@ -19,14 +19,14 @@ def images(n=4, seed=0):
 
 
 def test_argument_orders_agree():
-    a = caffe.Net(PROTO, caffe.TEST, weights=WEIGHTS)
+    a = caffe.Net(PROTO, caffe.TEST, weights=str(need(WEIGHTS)))
     b = caffe.Net(PROTO, WEIGHTS, caffe.TEST)          # pycaffe's older order
     x = images(64)
     np.testing.assert_array_equal(a.forward(data=x)["prob"], b.forward(data=x)["prob"])
 
 
 def test_blobs_params_layers_views():
-    net = caffe.Net(PROTO, caffe.TEST, weights=WEIGHTS)
+    net = caffe.Net(PROTO, caffe.TEST, weights=str(need(WEIGHTS)))
     assert list(net.blobs)[:3] == ["data", "conv1", "pool1"]
     assert net.inputs == ["data"] and net.outputs == ["prob"]
     assert [l.type for l in net.layers][:3] == ["Input", "Convolution", "Pooling"]
@@ -44,7 +44,7 @@ def test_blobs_params_layers_views():
 
 
 def test_reshape_and_forward_range():
-    net = caffe.Net(PROTO, caffe.TEST, weights=WEIGHTS)
+    net = caffe.Net(PROTO, caffe.TEST, weights=str(need(WEIGHTS)))
     net.blobs["data"].reshape(3, 1, 28, 28)
     net.reshape()
     assert net.blobs["ip2"].data.shape == (3, 10)
@@ -57,14 +57,14 @@ def test_reshape_and_forward_range():
 
 def test_backward_returns_input_diffs():
     text = "force_backward: true\n" + open(PROTO).read()
-    net = caffe.Net(text, caffe.TEST, weights=WEIGHTS)
+    net = caffe.Net(text, caffe.TEST, weights=str(need(WEIGHTS)))
     net.forward(data=images(64))
     diffs = net.backward(prob=np.eye(10, dtype=np.float32)[np.zeros(64, int)])
     assert diffs["data"].shape == (64, 1, 28, 28) and np.abs(diffs["data"]).sum() > 0
 
 
 def test_save_then_copy_from_round_trip(tmp_path):
-    net = caffe.Net(PROTO, caffe.TEST, weights=WEIGHTS)
+    net = caffe.Net(PROTO, caffe.TEST, weights=str(need(WEIGHTS)))
     out = tmp_path / "copy.caffemodel"
     net.save(str(out))
     other = caffe.Net(PROTO, caffe.TEST)
@@ -92,7 +92,7 @@ def test_hdf5_weights(tmp_path):
     from brewnet.weights import save_weights_h5
 
     net = caffe.Net(str(CIFAR_H5 / "cifar10_quick.prototxt"), caffe.TEST,
-                    weights=str(CIFAR_H5 / "cifar10_quick_iter_5000.caffemodel.h5"))
+                    weights=str(need(CIFAR_H5 / "cifar10_quick_iter_5000.caffemodel.h5")))
     assert np.abs(net.params["conv1"][0].data).sum() > 0
     out = tmp_path / "w.caffemodel.h5"
     save_weights_h5(net, str(out))

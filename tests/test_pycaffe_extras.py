@@ -174,11 +174,11 @@ def test_forward_all_pads_and_strips():
 def test_classifier_centre_crop_matches_caffe_predictions():
     import json
 
-    from helpers import GOLDEN, MODELS
+    from helpers import GOLDEN, MODELS, need
 
-    z = np.load(GOLDEN / "models" / "lenet_mnist.npz", allow_pickle=False)
+    z = np.load(need(GOLDEN / "models" / "lenet_mnist.npz"), allow_pickle=False)
     m = json.loads(str(z["meta"]))["models"]["lenet_ethereon"]
-    clf = caffe.Classifier(str(MODELS / m["prototxt"]), str(MODELS / m["caffemodel"]), image_dims=(28, 28))
+    clf = caffe.Classifier(str(MODELS / m["prototxt"]), str(need(MODELS / m["caffemodel"])), image_dims=(28, 28))
     images = [im.transpose(1, 2, 0) for im in z["input"][:20]]          # H x W x 1
     scores = clf.predict(images, oversample=False)
     assert scores.shape == (20, 10)

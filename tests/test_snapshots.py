@@ -15,7 +15,7 @@ from brewnet.proto.errors import ProtoError
 from brewnet.proto.io import read_net, read_solver
 from brewnet.solvers import SOLVERS, SGDSolver, SolverError
 from brewnet.solvers.snapshot import read_solverstate
-from helpers import GOLDEN, MODELS, swap_data_layers
+from helpers import GOLDEN, MODELS, need, swap_data_layers
 from test_solvers import SOLVER_DIR, golden_solver
 
 TYPES = ["sgd", "nesterov", "adagrad", "rmsprop", "adadelta", "adam"]
@@ -137,7 +137,7 @@ def _solver_with_inputs(solver_file, shapes, **kw):
 
 def _mnist(n):
     from brewnet.data.idx import read_idx
-    d = TRAINED / "mnist_t10k" / "data" / "mnist"
+    d = need(TRAINED / "mnist_t10k") / "data" / "mnist"
     x = read_idx(d / "t10k-images-idx3-ubyte.gz")[:n].astype(np.float32)[:, None] * np.float32(1 / 256)
     return x, read_idx(d / "t10k-labels-idx1-ubyte.gz")[:n].astype(np.float32)
 
@@ -166,7 +166,7 @@ def test_restore_2014_lenet_solverstate(monkeypatch):
 ])
 def test_restore_2014_cifar_solverstates(tmp_path, monkeypatch, root, state, model):
     src = TRAINED / root / "examples" / "cifar10"
-    st = read_solverstate(src / state)
+    st = read_solverstate(need(src / state))
     if model:      # the state names cifar10_quick_lr1_iter_5000.caffemodel; only this copy exists
         dst = tmp_path / st.learned_net
         dst.parent.mkdir(parents=True)

@@ -15,9 +15,9 @@ from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import parse_text, read_net, read_solver
 from brewnet.solvers import (LR_POLICIES, SOLVERS, LossNotFiniteError, SGDSolver, SolverError,
                              get_solver)
-from helpers import GOLDEN, MODELS, swap_data_layers
+from helpers import GOLDEN_SOLVERS, MODELS, need, swap_data_layers
 
-SOLVER_DIR = GOLDEN / "solvers"
+SOLVER_DIR = GOLDEN_SOLVERS
 CASES = sorted(p.stem for p in SOLVER_DIR.glob("*.npz") if p.stem != "batches")
 
 
@@ -74,6 +74,12 @@ def check_golden_state(solver, z, params: str, history: str, label: str):
 
 def rel_err(a, b, atol=1e-5):
     return float(np.max(np.abs(a - b) / (np.abs(b) + atol / 1e-4)))
+
+
+def test_every_indexed_run_is_there():
+    # CASES comes from the files: a run missing from the set must fail, not be skipped.
+    runs = json.loads((SOLVER_DIR / "index.json").read_text())["runs"]
+    assert sorted(f"{c}.npz" for c in CASES) == sorted(r["file"] for r in runs) != []
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -482,7 +488,7 @@ def test_lenet_mnist_loss_falls():
     from brewnet.data.idx import read_idx
 
     bvlc = MODELS / "bvlc" / "examples" / "mnist"
-    t10k = MODELS / "trained" / "mnist_t10k"
+    t10k = need(MODELS / "trained" / "mnist_t10k")
     imgs = next(p for p in t10k.rglob("t10k-images*"))
     labels = next(p for p in t10k.rglob("t10k-labels*"))
     x = read_idx(imgs).astype(np.float32)[:, None] * np.float32(0.00390625)

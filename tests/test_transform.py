@@ -13,7 +13,7 @@ from brewnet.data.transform import DataTransformer, TransformError, datum_to_chw
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import write_binaryproto
 
-from helpers import MODELS
+from helpers import MODELS, need
 
 C, H, W = 3, 4, 5
 
@@ -175,7 +175,7 @@ def test_encoded_colour_is_bgr_and_force_flags():
 
 def test_encoded_jpeg_matches_caffes_test_image():
     # Caffe's test_io: cat.jpg decodes to 3x360x480, gray 1x360x480.
-    data = (MODELS / "bvlc" / "examples" / "images" / "cat.jpg").read_bytes()
+    data = need(MODELS / "bvlc" / "examples" / "images" / "cat.jpg").read_bytes()
     datum = pb.Datum(data=data, encoded=True)
     assert datum_to_chw(datum).shape == (3, 360, 480)
     assert datum_to_chw(datum, force_gray=True).shape == (1, 360, 480)

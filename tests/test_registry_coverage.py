@@ -1,0 +1,56 @@
+"""Every registered layer type has at least one independent reference: a golden case made by the
+real Caffe, an OpenCV-dnn oracle row, or a test listed in NUMPY_REFERENCE below that checks it
+against numbers not produced by brewnet (numpy/float64 by hand, Caffe's own test files/values)."""
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import brewnet  # noqa: F401  (imports every layer module, data layers included)
+from brewnet.layers import LAYERS
+
+from helpers import GOLDEN_LAYERS
+from opencv_cases import UNIT_CASES
+
+TESTS = Path(__file__).resolve().parent
+
+# type -> "file::test": only tests that compare against an independent reference.
+NUMPY_REFERENCE = {
+    "Data": ["test_data_layers.py::test_data_layer_through_net"],          # idx-file decode of Caffe's LMDB
+    "HDF5Data": ["test_data_layers.py::test_hdf5_data_caffe_test_read"],   # Caffe's sample_data.h5 + its test's values
+    "HDF5Output": ["test_data_layers.py::test_hdf5_output_writes_and_appends"],  # read back with h5py
+    "ImageData": ["test_data_layers.py::test_image_data_read_and_resize"],  # cv2.imread pixels
+    "WindowData": ["test_data_layers.py::test_window_data_samples_and_warps"],  # hand-drawn windows
+    "DummyData": ["test_layers_data.py::test_dummy_data_legacy_dims"],     # Caffe's test_dummy_data_layer
+    "MemoryData": ["test_layers_data.py::test_memory_data_batches_wrap_around"],  # the arrays fed in
+    "Input": ["test_golden_layers.py::test_golden_layer"],                 # every golden net feeds through Input
+    "MultiBoxLoss": ["test_layers_detection.py::test_multibox_loss_by_hand"],  # numpy smooth-L1 + softmax NLL
+    "DetectionEvaluate": ["test_layers_detection.py::test_detection_evaluate_by_hand"],
+    "Python": ["test_pycaffe_extras.py::test_python_layers_chain_forward_backward"],  # Caffe's test_python_layer
+}
+
+
+def golden_types() -> set[str]:
+    return {c["type"] for c in json.loads((GOLDEN_LAYERS / "index.json").read_text())["cases"]}
+
+
+def opencv_types() -> set[str]:
+    return {t for c in UNIT_CASES for t in re.findall(r'type: "(\w+)"', c.layers)}
+
+
+def test_listed_reference_tests_exist():
+    # A renamed or deleted reference test must not leave a stale row behind.
+    for refs in NUMPY_REFERENCE.values():
+        for ref in refs:
+            file, name = ref.split("::")
+            tree = ast.parse((TESTS / file).read_text())
+            assert name in {f.name for f in tree.body if isinstance(f, ast.FunctionDef)}, ref
+
+
+def test_every_registered_type_has_an_independent_reference():
+    covered = golden_types() | opencv_types() | set(NUMPY_REFERENCE)
+    uncovered = sorted(set(LAYERS) - covered)
+    assert not uncovered, f"registered types with no golden/OpenCV/numpy reference: {uncovered}"
+    assert not set(NUMPY_REFERENCE) - set(LAYERS), "rows for types that are not registered"
