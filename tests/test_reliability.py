@@ -59,3 +59,46 @@ def test_float_datum_after_byte_datum_keeps_its_floats(tmp_path):
     out = net.forward()
     assert out["data"][0].ravel().tolist() == [7.0] * 4
     assert out["data"][1].ravel().tolist() == [1000.0] * 4    # not 232 (1000 mod 256)
+
+
+# ---------------------------------------------------------------------- 2. crash at exit
+
+EXIT_SCRIPT = """
+import sys
+import brewnet as caffe
+net = caffe.Net(sys.argv[1], caffe.TEST)
+net.forward()
+"""
+
+
+def test_script_with_data_layer_exits_cleanly_30_times(tmp_path):
+    db = write_lmdb(tmp_path / "db", [chw_to_datum(np.full((1, 8, 8), i, np.uint8), i % 2)
+                                      for i in range(8)])
+    proto = data_net(tmp_path, db, batch=4, extra="""layer { name: "ip" type: "InnerProduct"
+  bottom: "data" top: "ip" inner_product_param { num_output: 2 } }""")
+    script = tmp_path / "run.py"
+    script.write_text(EXIT_SCRIPT)
+    codes = []
+    for _ in range(10):    # three at a time: 30 fresh interpreters
+        procs = [subprocess.Popen([sys.executable, str(script), str(proto)], env=_env(),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 for _ in range(3)]
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            codes.append((p.returncode, err.decode()[-300:]))
+    assert [c for c, _ in codes] == [0] * 30, [c for c in codes if c[0]]
+
+
+def test_dropping_a_net_joins_its_prefetch_thread(tmp_path):
+    import gc
+    import threading
+
+    db = write_lmdb(tmp_path / "db", [chw_to_datum(np.zeros((1, 2, 2), np.uint8), 0)] * 4)
+    net = Net(str(data_net(tmp_path, db)), brewnet.TEST)
+    net.forward()
+    t = net.layer_list[0].prefetcher._thread
+    assert t is not None and t.is_alive()
+    del net
+    gc.collect()
+    assert not t.is_alive()
+    assert t not in threading.enumerate()

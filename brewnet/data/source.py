@@ -62,7 +62,7 @@ class Prefetching(_Source):
     def __del__(self):
         p = getattr(self, "prefetcher", None)
         if p is not None:
-            p._stop.set()
+            p.close()
 
 
 def check_batch(layer, n: int) -> int:
