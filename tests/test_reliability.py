@@ -102,3 +102,72 @@ def test_dropping_a_net_joins_its_prefetch_thread(tmp_path):
     gc.collect()
     assert not t.is_alive()
     assert t not in threading.enumerate()
+
+
+# ------------------------------------------------------- 3. Ctrl-C while the solver is built
+
+GATE = '''
+import sys
+import brewnet as caffe
+
+
+class Gate(caffe.Layer):
+    """Blocks its setup until the test has sent its signals and writes a line to stdin."""
+
+    def setup(self, bottom, top):
+        print("BUILDING", flush=True)
+        sys.stdin.readline()
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = bottom[0].data
+
+    def backward(self, top, propagate_down, bottom):
+        bottom[0].diff[...] = top[0].diff
+'''
+
+GATED_NET = """name: "gated"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 2 dim: 3 } shape { dim: 2 dim: 2 }
+                     data_filler { type: "gaussian" } } }
+layer { name: "gate" type: "Python" bottom: "data" top: "gated"
+  python_param { module: "gate_layer" layer: "Gate" } }
+layer { name: "ip" type: "InnerProduct" bottom: "gated" top: "ip"
+  inner_product_param { num_output: 2 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_sigint_while_solver_is_built_stops_cleanly(tmp_path, signals):
+    import signal
+
+    (tmp_path / "gate_layer.py").write_text(GATE)
+    (tmp_path / "net.prototxt").write_text(GATED_NET)
+    (tmp_path / "solver.prototxt").write_text(
+        'net: "net.prototxt"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 100000\n'
+        'display: 0\nsnapshot_prefix: "snap"\nsolver_mode: CPU\n')
+    env = _env()
+    env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env["PYTHONPATH"]
+    p = subprocess.Popen([sys.executable, "-m", "brewnet.cli", "train", "--solver", "solver.prototxt"],
+                         cwd=tmp_path, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "BUILDING"
+        for _ in range(signals):
+            p.send_signal(signal.SIGINT)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.count("Signal received: stop requested") == 1
+    assert "Optimization stopped early." in err
+    # Caffe's order: the first iteration runs, the request stops it, the final snapshot is made.
+    assert (tmp_path / "snap_iter_1.caffemodel").is_file()
+    assert (tmp_path / "snap_iter_1.solverstate").is_file()
+    assert not list(tmp_path.glob("*.tmp"))
