@@ -8,6 +8,7 @@ new value; the blob's diff is the gradient of the first value bound to the name,
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections import OrderedDict
 from typing import Sequence
@@ -22,6 +23,7 @@ from .proto import caffe_pb2 as pb
 from .pycaffe import NetError, PycaffeNet
 
 log = logging.getLogger("brewnet")
+INT_MAX = 2 ** 31 - 1     # Caffe's blobs count elements in an int
 
 
 def _load_param(source) -> "pb.NetParameter":
@@ -142,13 +144,24 @@ class Net(PycaffeNet):
                 raise
             raise NetError(f"Layer '{lp.name}' (type {lp.type}) failed to set up for bottom shapes "
                            f"{[self._shapes[b] for b in bottoms]}: {e}") from e
+        for t, s in zip(lp.top, tops):
+            # An empty blob: Caffe never allocates its data, so the net fails at build time
+            # (only an Input left unshaped, (0,), waits for the user to reshape it).
+            if 0 in s and not (layer.type == "Input" and s == (0,)):
+                raise NetError(f"Layer '{lp.name}' (type {lp.type}): top '{t}' has shape {s}; a "
+                               "dimension of 0 (batch size 0?) makes an empty blob, whose data "
+                               "Caffe never allocates; every dimension must be positive")
         self.layer_list.append(layer)
         self.bottom_lists.append(bottoms)
         self.top_lists.append(list(lp.top))
         for t, s in zip(lp.top, tops):
             self._shapes[t] = s
             if t not in self.blobs:
-                self.blobs[t] = Blob(torch.zeros(s, dtype=torch.float32))
+                try:
+                    self.blobs[t] = Blob(torch.zeros(s, dtype=torch.float32))
+                except RuntimeError as e:    # out of memory
+                    raise NetError(f"Layer '{lp.name}' (type {lp.type}): cannot allocate top "
+                                   f"'{t}' of shape {s}: {str(e).splitlines()[0]}") from None
         # Loss weights: explicit per top, else 1 on top[0] of a loss layer.
         weights = list(lp.loss_weight) or ([1.0] + [0.0] * (len(lp.top) - 1) if layer.is_loss else [])
         if weights and len(weights) != len(lp.top):
@@ -169,6 +182,14 @@ class Net(PycaffeNet):
         if len(tops) != len(layer.param.top):
             raise NetError(f"Layer '{layer.name}': produced {len(tops)} top shapes for "
                            f"{len(layer.param.top)} tops")
+        for name, s in zip(layer.param.top, tops):   # Caffe's Blob::Reshape CHECKs
+            if any(d < 0 for d in s):
+                raise NetError(f"Layer '{layer.name}' (type {layer.type}): top '{name}' would "
+                               f"have a negative dimension: {s} (bottom shapes {list(shapes)})")
+            if math.prod(s) > INT_MAX:
+                raise NetError(f"Layer '{layer.name}' (type {layer.type}): top '{name}' of shape "
+                               f"{s} exceeds Caffe's blob size limit INT_MAX ({INT_MAX}) "
+                               f"(bottom shapes {list(shapes)})")
         return tops
 
     def _append_params(self, layer: Layer, lp) -> None:

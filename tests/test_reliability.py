@@ -171,3 +171,66 @@ def test_sigint_while_solver_is_built_stops_cleanly(tmp_path, signals):
     assert (tmp_path / "snap_iter_1.caffemodel").is_file()
     assert (tmp_path / "snap_iter_1.solverstate").is_file()
     assert not list(tmp_path.glob("*.tmp"))
+
+
+# --------------------------------------------------- 4. raw internal errors that name no layer
+
+def _input_net(shape, body):
+    dims = " ".join(f"dim: {d}" for d in shape)
+    return f"""name: "x"
+layer {{ name: "data" type: "Input" top: "data" input_param {{ shape {{ {dims} }} }} }}
+{body}"""
+
+
+@pytest.mark.parametrize("bad", [50, -1])
+def test_softmax_loss_label_out_of_range_names_layer_and_value(bad):
+    from brewnet.layers import LayerError
+
+    net = Net(_input_net((2, 10), """
+layer { name: "label" type: "Input" top: "label" input_param { shape { dim: 2 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "data" bottom: "label" top: "loss" }"""))
+    net.blobs["label"].data[...] = [3, bad]
+    with pytest.raises(LayerError, match=rf"Layer 'loss' \(type SoftmaxWithLoss\): label {bad} "
+                                         r"at position 1 is out of range.*\[0, 10\)"):
+        net.forward()
+
+
+def test_ignored_label_outside_the_range_is_fine():
+    net = Net(_input_net((2, 10), """
+layer { name: "label" type: "Input" top: "label" input_param { shape { dim: 2 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "data" bottom: "label" top: "loss"
+  loss_param { ignore_label: -1 } }"""))
+    net.blobs["label"].data[...] = [3, -1]
+    assert np.isfinite(net.forward()["loss"])
+
+
+def test_huge_pad_is_a_net_error_naming_layer_and_shape():
+    from brewnet.net import NetError
+
+    with pytest.raises(NetError, match=r"Layer 'conv' \(type Convolution\): top 'c' of shape "
+                                       r"\(1, 2, 4294967300, 4294967300\) exceeds .*INT_MAX"):
+        Net(_input_net((1, 3, 8, 8), """layer { name: "conv" type: "Convolution" bottom: "data"
+  top: "c" convolution_param { num_output: 2 kernel_size: 3 pad: 2147483647 } }"""))
+
+
+@pytest.mark.parametrize("pool, expect", [
+    ("MAX", [[9.0, -3.4028234663852886e38], [-3.4028234663852886e38, -3.4028234663852886e38]]),
+    ("AVE", [[4.5, 0.0], [0.0, 0.0]]),
+])
+def test_pooling_stride_far_past_the_image_runs_as_caffe(pool, expect):
+    # Caffe: pooled = ceil((8 - 2) / 100000) + 1 = 2 per axis; windows past the image are
+    # empty: MAX keeps its -FLT_MAX start (mask -1), AVE sums nothing.
+    net = Net(_input_net((1, 1, 8, 8), f"""layer {{ name: "pool" type: "Pooling" bottom: "data"
+  top: "p" pooling_param {{ pool: {pool} kernel_size: 2 stride: 100000 }} }}"""))
+    net.blobs["data"].data[...] = np.arange(64, dtype=np.float32).reshape(1, 1, 8, 8)
+    out = net.forward()["p"]
+    assert out.shape == (1, 1, 2, 2)
+    np.testing.assert_array_equal(np.abs(out[0, 0]), np.abs(np.float32(expect)))
+
+
+def test_batch_of_zero_is_refused_at_build_naming_layer():
+    from brewnet.net import NetError
+
+    with pytest.raises(NetError, match=r"Layer 'data' \(type Input\): top 'data' has shape "
+                                       r"\(0, 3, 8, 8\)"):
+        Net(_input_net((0, 3, 8, 8), """layer { name: "norm" type: "LRN" bottom: "data" top: "n" }"""))
