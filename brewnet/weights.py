@@ -112,16 +112,26 @@ def save_weights_h5(net, path, with_diff: bool = False) -> None:
     """Caffe's HDF5 layout: ``/data/<layer>/<i>`` (and ``/diff/...``), written atomically."""
     import h5py
 
+    from .proto.io import fsync_dir, fsync_path, temp_for
+
     path = os.fspath(path)
-    tmp = path + ".tmp"
-    with h5py.File(tmp, "w") as f:
-        for kind in ("data", "diff") if with_diff else ("data",):
-            g = f.create_group(kind)
-            for layer in net.layer_list:
-                if not layer.blobs:
-                    continue
-                lg = g.create_group(layer.name)
-                for i, b in enumerate(layer.blobs):
-                    t = b if kind == "data" else (b.grad if b.grad is not None else torch.zeros_like(b))
-                    lg.create_dataset(str(i), data=t.detach().float().cpu().numpy())
-    os.replace(tmp, path)
+    fd, tmp = temp_for(path)      # unique: a fixed "<path>.tmp" is shared by every writer
+    os.close(fd)
+    try:
+        with h5py.File(tmp, "w") as f:
+            for kind in ("data", "diff") if with_diff else ("data",):
+                g = f.create_group(kind)
+                for layer in net.layer_list:
+                    if not layer.blobs:
+                        continue
+                    lg = g.create_group(layer.name)
+                    for i, b in enumerate(layer.blobs):
+                        t = b if kind == "data" else (b.grad if b.grad is not None else torch.zeros_like(b))
+                        lg.create_dataset(str(i), data=t.detach().float().cpu().numpy())
+        fsync_path(tmp)
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -234,3 +234,135 @@ def test_batch_of_zero_is_refused_at_build_naming_layer():
     with pytest.raises(NetError, match=r"Layer 'data' \(type Input\): top 'data' has shape "
                                        r"\(0, 3, 8, 8\)"):
         Net(_input_net((0, 3, 8, 8), """layer { name: "norm" type: "LRN" bottom: "data" top: "n" }"""))
+
+
+# ------------------------------------------------------------ 5. HDF5 weights and snapshots
+
+TWO_IP = """name: "two"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "data" top: "a"
+  inner_product_param { num_output: 4 weight_filler { type: "gaussian" } } }
+layer { name: "ip2" type: "InnerProduct" bottom: "a" top: "b"
+  inner_product_param { num_output: 2 weight_filler { type: "gaussian" } } }
+"""
+
+
+def _params(net):
+    return [b.detach().clone() for l in net.layer_list for b in l.blobs]
+
+
+def _h5_case(path, case):
+    import h5py
+
+    from brewnet.weights import save_weights_h5
+
+    save_weights_h5(Net(TWO_IP), str(path))
+    if case == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[:len(data) // 2])
+        return
+    if case == "damaged":
+        data = bytearray(path.read_bytes())
+        data[200:1400] = b"\xff" * 1200          # the root group's header and B-tree
+        path.write_bytes(bytes(data))
+        return
+    with h5py.File(path, "r+") as f:
+        if case == "no /data":
+            del f["data"]
+            f.create_group("weights")
+        elif case == "gap":
+            f["data/ip1"].move("1", "2")
+        elif case == "string":
+            del f["data/ip1/0"]
+            f["data/ip1/0"] = "not a number"
+
+
+KILLED_WRITER = """
+import sys
+import h5py
+import brewnet
+from brewnet.weights import save_weights_h5
+
+real = h5py.Group.create_dataset
+
+
+def stall(self, *a, **kw):
+    print("WRITING", flush=True)
+    sys.stdin.readline()          # the test kills us here, mid-snapshot
+    return real(self, *a, **kw)
+
+
+h5py.Group.create_dataset = stall
+save_weights_h5(brewnet.Net(sys.argv[1]), sys.argv[2])
+"""
+
+
+def _solver(tmp_path, fmt="HDF5"):
+    from brewnet.solvers import get_solver
+    from brewnet.solvers import load_solver_param
+
+    (tmp_path / "net.prototxt").write_text(GATED_NET.replace("""layer { name: "gate" type: "Python" bottom: "data" top: "gated"
+  python_param { module: "gate_layer" layer: "Gate" } }
+""", "").replace('bottom: "gated"', 'bottom: "data"'))
+    (tmp_path / "solver.prototxt").write_text(
+        f'net: "{tmp_path / "net.prototxt"}"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 10\n'
+        f'snapshot_prefix: "{tmp_path / "snap"}"\nsolver_mode: CPU\nsnapshot_format: {fmt}\n')
+    param, _ = load_solver_param(str(tmp_path / "solver.prototxt"))
+    return get_solver(param)
+
+
+def test_kill_9_during_hdf5_snapshot_leaves_no_final_file_and_next_snapshot_cleans_up(tmp_path):
+    import signal
+
+    proto = tmp_path / "two.prototxt"
+    proto.write_text(TWO_IP)
+    script = tmp_path / "writer.py"
+    script.write_text(KILLED_WRITER)
+    target = tmp_path / "snap_iter_5.caffemodel.h5"
+    p = subprocess.Popen([sys.executable, str(script), str(proto), str(target)], env=_env(),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "WRITING"
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+    assert not target.exists()
+    left = list(tmp_path.glob(".snap_iter_5.caffemodel.h5.*.tmp"))
+    assert len(left) == 1 and f".{p.pid}." in left[0].name      # unique, with the writer's pid
+    legacy = tmp_path / "snap_iter_3.caffemodel.h5.tmp"         # older brewnet's fixed name
+    legacy.write_bytes(b"partial")
+    # A live writer's temporary file is left alone.
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    try:
+        busy = tmp_path / f".snap_iter_7.caffemodel.h5.{live.pid}.abcdefgh.tmp"
+        busy.write_bytes(b"in progress")
+        solver = _solver(tmp_path)
+        solver.snapshot()
+        assert busy.exists()
+    finally:
+        live.kill()
+        live.wait()
+    assert not left[0].exists() and not legacy.exists()
+    assert (tmp_path / "snap_iter_0.caffemodel.h5").is_file()
+    assert (tmp_path / "snap_iter_0.solverstate.h5").is_file()
+
+
+def test_hdf5_snapshot_fsyncs_file_and_directory(tmp_path, monkeypatch):
+    import stat
+
+    synced = []
+    real = os.fsync
+
+    def spy(fd):
+        mode = os.fstat(fd).st_mode
+        synced.append("dir" if stat.S_ISDIR(mode) else "file")
+        return real(fd)
+
+    solver = _solver(tmp_path)
+    monkeypatch.setattr(os, "fsync", spy)
+    solver.snapshot()
+    # weights and solver state: each file, then the directory holding the rename
+    assert synced == ["file", "dir", "file", "dir"]
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
