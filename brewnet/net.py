@@ -71,7 +71,9 @@ class Net(PycaffeNet):
         self.device = torch.device(device) if device is not None else default_device()
         self._build()
         if weights:
-            self.copy_from(weights)
+            from .weights import load_weights
+
+            load_weights(self, weights, require_match=True)   # another net's file is an error
 
     # -- construction ----------------------------------------------------------------------
     def _build(self) -> None:

@@ -277,6 +277,26 @@ def _h5_case(path, case):
             f["data/ip1/0"] = "not a number"
 
 
+@pytest.mark.parametrize("case, message", [
+    ("no /data", "no /data group"),
+    ("gap", r"layer 'ip1': datasets must be named 0..1, got \['0', '2'\]"),
+    ("string", r"layer 'ip1': /data/ip1/0 is not a numeric dataset"),
+    ("truncated", "truncated or corrupt HDF5 weights file"),
+    ("damaged", "truncated or corrupt HDF5 weights file"),
+])
+def test_bad_hdf5_weights_are_a_proto_error_naming_the_file(tmp_path, case, message):
+    from brewnet.proto.errors import ProtoError
+
+    path = tmp_path / "w.caffemodel.h5"
+    _h5_case(path, case)
+    net = Net(TWO_IP)
+    before = _params(net)
+    with pytest.raises(ProtoError, match=message) as e:
+        net.copy_from(str(path))
+    assert str(path) in str(e.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(net)))   # nothing half-loaded
+
+
 KILLED_WRITER = """
 import sys
 import h5py
@@ -366,3 +386,45 @@ def test_hdf5_snapshot_fsyncs_file_and_directory(tmp_path, monkeypatch):
     # weights and solver state: each file, then the directory holding the rename
     assert synced == ["file", "dir", "file", "dir"]
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+
+
+# --------------------------------------------------------------------- 7. partial loads
+
+def test_partial_caffemodel_warns_listing_layers_left_at_fillers(tmp_path, caplog):
+    src = Net(TWO_IP)
+    src.save(str(tmp_path / "one.caffemodel"))
+    other = TWO_IP.replace('name: "ip2"', 'name: "ip2_new"')
+    net = Net(other)
+    before = _params(net)
+    with caplog.at_level("WARNING", logger="brewnet"):
+        net.copy_from(str(tmp_path / "one.caffemodel"))
+    assert "1 of 2 layers with parameters are not in the file and keep their filler values: " \
+           "ip2_new" in caplog.text
+    np.testing.assert_array_equal(net.params["ip1"][0].data, src.params["ip1"][0].data)
+    assert torch.equal(_params(net)[2], before[2])          # ip2_new kept its filler
+
+
+def test_caffemodel_of_another_net_is_refused_by_net_and_test(tmp_path, caplog):
+    from brewnet.net import NetError
+
+    src = Net(TWO_IP)
+    src.save(str(tmp_path / "two.caffemodel"))
+    other = TWO_IP.replace('"ip1"', '"fc1"').replace('"ip2"', '"fc2"')
+    (tmp_path / "other.prototxt").write_text(other.replace(
+        'layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 } } }',
+        'layer { name: "data" type: "DummyData" top: "data" dummy_data_param { shape { dim: 2 dim: 3 } } }'))
+    with pytest.raises(NetError, match=r"two.caffemodel: no layer with parameters of net 'two' is "
+                                       r"in this weights file .*fc1, fc2"):
+        Net(other, weights=str(tmp_path / "two.caffemodel"))
+    # pycaffe's copy_from keeps Caffe's behaviour (copies what matches: nothing), with a warning
+    net = Net(other)
+    with caplog.at_level("WARNING", logger="brewnet"):
+        net.copy_from(str(tmp_path / "two.caffemodel"))
+    assert "2 of 2 layers with parameters are not in the file" in caplog.text
+    r = subprocess.run([sys.executable, "-m", "brewnet.cli", "test", "--model",
+                        str(tmp_path / "other.prototxt"), "--weights",
+                        str(tmp_path / "two.caffemodel"), "--iterations", "1"],
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "no layer with parameters of net 'two' is in this weights file" in r.stderr
+    assert "Traceback" not in r.stderr
