@@ -465,6 +465,28 @@ def test_caffemodel_of_another_net_is_refused_by_net_and_test(tmp_path, caplog):
     assert "Traceback" not in r.stderr
 
 
+# ------------------------------------------------------------------------------ 8. small
+
+def test_input_dim_count_error_names_the_file(tmp_path):
+    from brewnet.proto.errors import ProtoError
+
+    p = tmp_path / "deploy.prototxt"
+    p.write_text('name: "x"\ninput: "data"\ninput_dim: 1\ninput_dim: 3\n'
+                 'layer { name: "r" type: "ReLU" bottom: "data" top: "data" }\n')
+    with pytest.raises(ProtoError, match=rf"{p}: 1 inputs need 4 input_dim values, got 2"):
+        Net(str(p))
+
+
+def test_parse_log_on_a_binary_file_says_so_and_fails(tmp_path):
+    log = tmp_path / "model.caffemodel"
+    Net(TWO_IP).save(str(log))
+    r = subprocess.run([sys.executable, "-m", "brewnet.cli", "parse-log", str(log)], env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "is not a text log (binary data)" in r.stderr
+    assert not (tmp_path / "model.caffemodel.train").exists()
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_lmdb_error_mid_epoch_is_a_layer_error_naming_database_and_key(tmp_path, prefetch):
     # LMDB reports most damage as lmdb.Error subclasses while the cursor moves (some trip its
