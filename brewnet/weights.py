@@ -27,14 +27,16 @@ def _shape_fits(src_shape, blob_proto, dst_shape) -> bool:
 
 
 def _check_layer(net, name: str, arrays: list, protos: list | None, source: str) -> None:
+    from .net import NetError
+
     layer = net.layer_by_name[name]
     if len(arrays) != len(layer.blobs):
-        raise ValueError(f"{source}: layer '{name}' has {len(arrays)} blobs in the file but "
+        raise NetError(f"{source}: layer '{name}' has {len(arrays)} blobs in the file but "
                          f"{len(layer.blobs)} in the net (type {layer.type})")
     for i, arr in enumerate(arrays):
         dst = tuple(layer.blobs[i].shape)
         if not _shape_fits(arr.shape, protos[i] if protos else None, dst):
-            raise ValueError(f"{source}: cannot copy param {i} weights from layer '{name}'; shape "
+            raise NetError(f"{source}: cannot copy param {i} weights from layer '{name}'; shape "
                              f"mismatch. Source param shape is {tuple(arr.shape)}; target param shape is "
                              f"{dst}. To learn this layer's parameters from scratch rather than "
                              f"copying from a saved net, rename the layer.")
