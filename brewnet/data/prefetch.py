@@ -32,11 +32,12 @@ _LIVE: dict = {}
 _LIVE_LOCK = threading.RLock()   # re-entrant: a __del__ may run inside a locked block
 
 
-def _stop_thread(t: threading.Thread, stop: threading.Event, q: queue.Queue) -> None:
+def _stop_thread(t: threading.Thread, stop: threading.Event, q: queue.Queue,
+                 deadline: float = math.inf) -> None:
     stop.set()
     if t is threading.current_thread():
         return
-    while t.is_alive():          # unblock a producer waiting on a full queue
+    while t.is_alive() and time.monotonic() < deadline:   # unblock a producer on a full queue
         try:
             q.get_nowait()
         except queue.Empty:
@@ -47,12 +48,14 @@ def _stop_thread(t: threading.Thread, stop: threading.Event, q: queue.Queue) -> 
 
 
 @atexit.register
-def stop_all() -> None:
-    """Stop and join every prefetch thread (run at interpreter exit)."""
+def stop_all(timeout: float = 60.0) -> None:
+    """Stop and join every prefetch thread (run at interpreter exit). A producer stuck in a read
+    (a hung network file system) is given up on after ``timeout`` s rather than hang the exit."""
     with _LIVE_LOCK:
         live = list(_LIVE.items())
+    deadline = time.monotonic() + timeout
     for t, (stop, q) in live:
-        _stop_thread(t, stop, q)
+        _stop_thread(t, stop, q, deadline)
 
 
 def usable_cores() -> int:
