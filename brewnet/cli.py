@@ -80,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 1
-    return COMMANDS[args.command].run(args) or 0
+    try:
+        return COMMANDS[args.command].run(args) or 0
+    except KeyboardInterrupt:   # Ctrl-C outside a command's own handlers: no traceback
+        print(f"brewnet {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

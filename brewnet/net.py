@@ -16,6 +16,7 @@ the layer's forward is re-run under autograd on the blobs' current data, its top
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections import OrderedDict
 from typing import Sequence
@@ -33,6 +34,7 @@ from .proto import caffe_pb2 as pb
 
 log = logging.getLogger("brewnet")
 __all__ = ["Net", "NetError"]
+INT_MAX = 2 ** 31 - 1     # Caffe's blobs count elements in an int
 
 
 def _load_param(source) -> "pb.NetParameter":
@@ -85,7 +87,9 @@ class Net:
         self.device = torch.device(device) if device is not None else default_device()
         self._build()
         if weights:
-            self.copy_from(weights)
+            from .weights import load_weights
+
+            load_weights(self, weights, require_match=True)   # another net's file is an error
 
     # -- construction ----------------------------------------------------------------------
     def _build(self) -> None:
@@ -142,13 +146,25 @@ class Net:
             if t in self.blobs and t not in bottoms:
                 raise NetError(f"Layer '{lp.name}': top blob '{t}' is produced by multiple layers")
         tops = layer.set_up([self.shapes[b] for b in bottoms])
+        self._check_sizes(layer, tops, [self.shapes[b] for b in bottoms])
+        for t, s in zip(lp.top, tops):
+            # An empty blob: Caffe never allocates its data, so the net fails at build time
+            # (only an Input left unshaped, (0,), waits for the user to reshape it).
+            if 0 in s and not (layer.type == "Input" and s == (0,)):
+                raise NetError(f"Layer '{lp.name}' (type {lp.type}): top '{t}' has shape {s}; a "
+                               "dimension of 0 (batch size 0?) makes an empty blob, whose data "
+                               "Caffe never allocates; every dimension must be positive")
         self.layer_list.append(layer)
         self.bottom_lists.append(bottoms)
         self.top_lists.append(list(lp.top))
         for t, s in zip(lp.top, tops):
             self.shapes[t] = s
             if t not in self.blobs:
-                self.blobs[t] = Blob(torch.zeros(s, dtype=torch.float32))
+                try:
+                    self.blobs[t] = Blob(torch.zeros(s, dtype=torch.float32))
+                except RuntimeError as e:    # out of memory
+                    raise NetError(f"Layer '{lp.name}' (type {lp.type}): cannot allocate top "
+                                   f"'{t}' of shape {s}: {str(e).splitlines()[0]}") from None
         # Loss weights: explicit per top, else 1 on top[0] of a loss layer.
         weights = list(lp.loss_weight) or ([1.0] + [0.0] * (len(lp.top) - 1) if layer.is_loss else [])
         if weights and len(weights) != len(lp.top):
@@ -163,6 +179,22 @@ class Net:
         self.propagate_down.append([(pd[j] if pd else True) and layer.allow_backward(j)
                                     for j in range(len(bottoms))])
         self.learnable_params.append_layer(layer, lp)
+
+    def _top_shapes(self, layer: Layer, shapes) -> list[tuple]:
+        tops = layer.top_shapes(shapes)
+        self._check_sizes(layer, tops, shapes)
+        return tops
+
+    @staticmethod
+    def _check_sizes(layer: Layer, tops, shapes) -> None:
+        for name, s in zip(layer.param.top, tops):   # Caffe's Blob::Reshape CHECKs
+            if any(d < 0 for d in s):
+                raise NetError(f"Layer '{layer.name}' (type {layer.type}): top '{name}' would "
+                               f"have a negative dimension: {s} (bottom shapes {list(shapes)})")
+            if math.prod(s) > INT_MAX:
+                raise NetError(f"Layer '{layer.name}' (type {layer.type}): top '{name}' of shape "
+                               f"{s} exceeds Caffe's blob size limit INT_MAX ({INT_MAX}) "
+                               f"(bottom shapes {list(shapes)})")
 
     def _plan_backward(self) -> None:
         """Caffe's need-backward flags: a layer needs backward when a bottom needs it or it has
@@ -195,7 +227,7 @@ class Net:
         for layer, bottoms, tops in zip(self.layer_list, self.bottom_lists, self.top_lists):
             if layer.type == "Input":
                 continue
-            for t, s in zip(tops, layer.top_shapes([self.shapes[b] for b in bottoms])):
+            for t, s in zip(tops, self._top_shapes(layer, [self.shapes[b] for b in bottoms])):
                 self.shapes[t] = s
         for name, s in self.shapes.items():
             if name not in self.inputs:

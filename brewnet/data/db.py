@@ -8,6 +8,7 @@ as needed. Records are raw bytes; ``decode_datum`` parses a serialized ``Datum``
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -150,37 +151,59 @@ class LMDB:
         self._env = _env(path)      # keeps the shared environment alive
 
     def __len__(self) -> int:
-        return self._env.env.stat()["entries"]
+        with _lmdb_errors(self.path):
+            return self._env.env.stat()["entries"]
 
     def empty(self) -> bool:
         return len(self) == 0
 
     def cursor(self) -> "Cursor":
-        txn = self._env.env.begin(buffers=False)
-        return Cursor(self, _LmdbIter(txn))
+        with _lmdb_errors(self.path):
+            txn = self._env.env.begin(buffers=False)
+            return Cursor(self, _LmdbIter(txn, self.path))
 
     def get(self, key: bytes) -> bytes | None:
-        with self._env.env.begin() as txn:
+        with _lmdb_errors(self.path, key), self._env.env.begin() as txn:
             return txn.get(key)
 
     def items(self):
         """Every (key, value) once, in key order."""
-        with self._env.env.begin(buffers=False) as txn:
+        with _lmdb_errors(self.path), self._env.env.begin(buffers=False) as txn:
             yield from txn.cursor()
 
 
+@contextlib.contextmanager
+def _lmdb_errors(path: str, key=None):
+    """lmdb.Error (a damaged page: CorruptedError, PageNotFoundError...) as a DBError naming
+    the database and the last good key. Some damage trips LMDB's own assert(), which aborts
+    the process before Python sees anything."""
+    import lmdb
+
+    try:
+        yield
+    except lmdb.Error as e:
+        where = "" if key is None else f" (after record {_show(key)})"
+        raise DBError(f"{path}: the LMDB is damaged{where}: {type(e).__name__}: {e}") from None
+
+
 class _LmdbIter:
-    def __init__(self, txn):
-        self.txn, self.cur = txn, txn.cursor()
+    def __init__(self, txn, path: str = ""):
+        self.txn, self.cur, self.path = txn, txn.cursor(), path
+        self.key = None           # the last record read, for the error message
 
     def first(self) -> bool:
-        return self.cur.first()
+        with _lmdb_errors(self.path, self.key):
+            return self.cur.first()
 
     def next(self) -> bool:
-        return self.cur.next()
+        with _lmdb_errors(self.path, self.key):
+            return self.cur.next()
 
     def item(self) -> tuple[bytes, bytes]:
-        return self.cur.item()
+        with _lmdb_errors(self.path, self.key):
+            item = self.cur.item()
+        self.key = item[0]
+        return item
 
 
 class Cursor:

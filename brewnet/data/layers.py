@@ -19,8 +19,8 @@ import torch
 from ..layers.base import register
 from ..proto import caffe_pb2 as pb
 from .convert import ListError, read_list
-from .db import DBError, decode_datum, open_db
-from .source import Loader, Prefetching, check_batch
+from .db import DBError, _show, decode_datum, open_db
+from .source import Loader, Prefetching, check_batch, layer_error
 from .transform import DataTransformer, TransformError, hwc_to_chw, read_image
 
 log = logging.getLogger("brewnet")
@@ -38,7 +38,12 @@ class _DatumLoader(Loader):
         for i in range(self.batch_size):
             key, value = self.cursor.next()
             datum = decode_datum(value, key, self.source)
-            images.append(self.tf.image(datum, key, self.source))
+            img = self.tf.image(datum, key, self.source)
+            if images and img.shape != images[0].shape:
+                raise TransformError(f"{self.source}: record {_show(key)} (item {i} of the batch) "
+                                     f"has shape {img.shape}, the batch's first has "
+                                     f"{images[0].shape}; a batch needs one shape")
+            images.append(img)
             labels[i] = datum.label
         data = self.alloc((self.batch_size,) + self.tf.check(images[0].shape))
         self.tf.transform(images, out=data.numpy())
@@ -75,7 +80,7 @@ class Data(Prefetching):
             key, value = cursor.peek()
             item = tf.check(tf.image(decode_datum(value, key, p.source), key, p.source).shape)
         except (DBError, TransformError) as e:
-            raise self.fail(str(e)) from None
+            raise layer_error(self, e) from None
         self.db = db
         self.shapes = [(bs,) + item, (bs,)][:self.num_tops]
         self.start_loader(_DatumLoader(cursor, p.source, bs, tf, self.num_tops == 2), p.prefetch)
@@ -137,7 +142,7 @@ class ImageData(Prefetching):
             lines = read_list(p.source)
             tf = DataTransformer(self.param.transform_param, self.phase, who=who)
         except (ListError, TransformError) as e:
-            raise self.fail(str(e)) from None
+            raise layer_error(self, e) from None
         if p.shuffle:
             tf.rng.shuffle(lines)
         pos = 0
@@ -151,7 +156,7 @@ class ImageData(Prefetching):
         try:
             item = tf.check(loader.read(pos).shape)
         except (OSError, TransformError) as e:
-            raise self.fail(str(e)) from None
+            raise layer_error(self, e) from None
         self.shapes = [(bs,) + item, (bs,)]
         self.start_loader(loader, self.param.data_param.prefetch)
 

@@ -13,6 +13,7 @@ first iterations); the training tools call it.
 """
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import queue
@@ -23,6 +24,38 @@ from typing import Callable
 import torch
 
 _STOP = object()
+
+# Producer threads still running, with their stop events and queues. A daemon thread left
+# running while the interpreter finalizes dies re-taking the GIL inside a torch op, which
+# aborts the process ("terminate called without an active exception"): stop them all first.
+_LIVE: dict = {}
+_LIVE_LOCK = threading.RLock()   # re-entrant: a __del__ may run inside a locked block
+
+
+def _stop_thread(t: threading.Thread, stop: threading.Event, q: queue.Queue,
+                 deadline: float = math.inf) -> None:
+    stop.set()
+    if t is threading.current_thread():
+        return
+    while t.is_alive() and time.monotonic() < deadline:   # unblock a producer on a full queue
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            pass
+        t.join(0.05)
+    with _LIVE_LOCK:
+        _LIVE.pop(t, None)
+
+
+@atexit.register
+def stop_all(timeout: float = 60.0) -> None:
+    """Stop and join every prefetch thread (run at interpreter exit). A producer stuck in a read
+    (a hung network file system) is given up on after ``timeout`` s rather than hang the exit."""
+    with _LIVE_LOCK:
+        live = list(_LIVE.items())
+    deadline = time.monotonic() + timeout
+    for t, (stop, q) in live:
+        _stop_thread(t, stop, q, deadline)
 
 
 def usable_cores() -> int:
@@ -80,6 +113,8 @@ class Prefetcher:
         if self._thread is None:
             self._thread = threading.Thread(target=_run, args=(self._make, self._queue, self._stop, self._stats),
                                             name=f"brewnet-{self.name}", daemon=True)
+            with _LIVE_LOCK:
+                _LIVE[self._thread] = (self._stop, self._queue)
             self._thread.start()
 
     def get(self):
@@ -107,16 +142,12 @@ class Prefetcher:
     def close(self) -> None:
         self._stop.set()
         t, self._thread = self._thread, None
-        if t is not None and t is not threading.current_thread():
-            while t.is_alive():          # unblock a producer waiting on a full queue
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    pass
-                t.join(0.05)
+        if t is not None:
+            _stop_thread(t, self._stop, self._queue)
 
     def __del__(self):
-        self._stop.set()
+        # A dropped Net joins its threads rather than leaving them to run until exit.
+        self.close()
 
 
 class _Stats:
@@ -129,6 +160,14 @@ class _Failure:
 
 
 def _run(make, q: queue.Queue, stop: threading.Event, stats: _Stats) -> None:
+    try:
+        _produce(make, q, stop, stats)
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.pop(threading.current_thread(), None)
+
+
+def _produce(make, q: queue.Queue, stop: threading.Event, stats: _Stats) -> None:
     while not stop.is_set():
         t0 = time.perf_counter()
         try:

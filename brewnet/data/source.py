@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from ..layers.base import LayerError
 from ..layers.data import SourceLayer
 from .db import DBError
 from .prefetch import Prefetcher
@@ -51,7 +52,7 @@ class Prefetching(SourceLayer):
                 batch = self.loader()
                 self.wait_s += time.perf_counter() - t0
         except (DBError, TransformError, OSError) as e:
-            raise self.fail(str(e)) from None
+            raise layer_error(self, e) from None
         return [t.to(device=self.device, dtype=self.dtype, non_blocking=True) for t in batch]
 
     @property
@@ -62,7 +63,13 @@ class Prefetching(SourceLayer):
     def __del__(self):
         p = getattr(self, "prefetcher", None)
         if p is not None:
-            p._stop.set()
+            p.close()
+
+
+def layer_error(layer, e: BaseException) -> LayerError:
+    """``e`` as an error naming ``layer``, once (a transformer's messages already do)."""
+    msg = str(e)
+    return LayerError(msg) if msg.startswith(f"Layer '{layer.name}' ") else layer.fail(msg)
 
 
 def check_batch(layer, n: int) -> int:

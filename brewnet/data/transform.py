@@ -211,7 +211,9 @@ class DataTransformer:
         if same and isinstance(images, np.ndarray):
             x = images[:, :, hs[0]:hs[0] + h, ws[0]:ws[0] + w]
         else:
-            x = np.empty((n, c, h, w), images[0].dtype)
+            # One dtype for the batch that holds every item: a float_data Datum after a byte
+            # one keeps its floats (Caffe transforms each Datum on its own).
+            x = np.empty((n, c, h, w), np.result_type(*{im.dtype for im in images}))
             for i in range(n):
                 x[i] = images[i][:, hs[i]:hs[i] + h, ws[i]:ws[i] + w]
         if self.mean is not None:

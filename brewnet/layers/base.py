@@ -38,7 +38,7 @@ def layer_class(type_name: str, layer_name: str = "?") -> type["Layer"]:
     try:
         return LAYERS[type_name]
     except KeyError:
-        raise ValueError(
+        raise LayerError(
             f"Layer '{layer_name}': unknown layer type '{type_name}'. "
             f"Known types: {', '.join(sorted(LAYERS))}") from None
 

@@ -71,6 +71,20 @@ def _native_pool_ok(in_hw, out_hw, kernel, stride, pad, ceil_mode) -> bool:
                for h, o, k, s, p in zip(in_hw, out_hw, kernel, stride, pad))
 
 
+def _reachable(in_hw, out_hw, stride, pad) -> tuple[int, int]:
+    """Windows per axis that start inside the padded image. A stride far larger than the image
+    (Caffe's ceil rule still counts a second window) puts the rest wholly past it: they hold
+    nothing and are filled in, not computed, since padding out to them would allocate about
+    stride^2 elements per plane."""
+    return tuple(min(o, -(-(h + p) // s)) for h, o, s, p in zip(in_hw, out_hw, stride, pad))
+
+
+def _fill_unreached(y: torch.Tensor, reach, out_hw, value: float) -> torch.Tensor:
+    if tuple(reach) == tuple(out_hw):
+        return y
+    return F.pad(y, [0, out_hw[1] - reach[1], 0, out_hw[0] - reach[0]], value=value)
+
+
 def _edge_pads(in_hw, out_hw, kernel, stride, pad) -> list[int]:
     """F.pad amounts (W left, W right, H left, H right) making the padded plane hold exactly the
     windows Caffe visits (negative right pads crop what no window reaches)."""
@@ -99,7 +113,8 @@ def max_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints, ceil_mode
         y, idx = F.max_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode,
                               return_indices=True)
     else:
-        pads = _edge_pads(in_hw, out_hw, kernel, stride, pad)
+        reach = _reachable(in_hw, out_hw, stride, pad)
+        pads = _edge_pads(in_hw, reach, kernel, stride, pad)
         xp = F.pad(x, pads, value=float("-inf"))
         if not return_mask:
             y, idx = F.max_pool2d(xp, tuple(kernel), tuple(stride)), None
@@ -108,6 +123,8 @@ def max_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints, ceil_mode
         if return_mask:  # indices are into the padded plane: map back to the image's flat index
             wp = xp.shape[-1]
             idx = (idx // wp - pad[0]) * in_hw[1] + (idx % wp - pad[1])
+            idx = _fill_unreached(idx, reach, out_hw, -1)
+        y = _fill_unreached(y, reach, out_hw, float("-inf"))   # empty: -FLT_MAX, mask -1
     y = y.clamp_min(-FLT_MAX)
     mask = None
     if return_mask:
@@ -144,8 +161,10 @@ def ave_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints,
     if _native_pool_ok(in_hw, out_hw, kernel, stride, pad, ceil_mode):
         return F.avg_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode,
                             count_include_pad=True)
-    xp = F.pad(x, _edge_pads(in_hw, out_hw, kernel, stride, pad))
-    sums = F.avg_pool2d(xp, tuple(kernel), tuple(stride), divisor_override=1)
+    reach = _reachable(in_hw, out_hw, stride, pad)
+    xp = F.pad(x, _edge_pads(in_hw, reach, kernel, stride, pad))
+    sums = _fill_unreached(F.avg_pool2d(xp, tuple(kernel), tuple(stride), divisor_override=1),
+                           reach, out_hw, 0.0)
     div = ave_pool_divisor(in_hw, out_hw, tuple(kernel), tuple(stride), tuple(pad),
                            x.device, x.dtype)
     return sums / div
@@ -163,19 +182,20 @@ def stochastic_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, train: bool,
     derivative (Caffe reuses stale sample indices); the random stream is torch's.
     """
     in_hw = tuple(x.shape[-2:])
-    out_hw = pool_out_shape(in_hw, kernel, stride, (0, 0), ceil_mode)
+    full_hw = pool_out_shape(in_hw, kernel, stride, (0, 0), ceil_mode)
+    out_hw = _reachable(in_hw, full_hw, stride, (0, 0))      # the rest are empty: 0
     xp = F.pad(x, _edge_pads(in_hw, out_hw, kernel, stride, (0, 0)))
     n, c = x.shape[:2]
     win = F.unfold(xp.reshape(n * c, 1, *xp.shape[-2:]), tuple(kernel), stride=tuple(stride))
     win = win.view(n, c, kernel[0] * kernel[1], *out_hw)      # (N, C, kh*kw, outH, outW)
     if not train:
-        return (win * win).sum(2) / (win.sum(2) + FLT_MIN)
+        return _fill_unreached((win * win).sum(2) / (win.sum(2) + FLT_MIN), out_hw, full_hw, 0.0)
     cum = win.detach().cumsum(2)
     u = 1.0 - torch.rand(cum[:, :, :1].shape, generator=generator, dtype=x.dtype,
                          device=x.device)
     hit = (cum >= u * cum[:, :, -1:]).to(torch.uint8)
     pick = hit.argmax(2, keepdim=True)                        # first window position that hits
-    return win.gather(2, pick).squeeze(2)
+    return _fill_unreached(win.gather(2, pick).squeeze(2), out_hw, full_hw, 0.0)
 
 
 # -- inner product ---------------------------------------------------------------------------

@@ -49,6 +49,20 @@ def _labels(label: torch.Tensor, ignore: int | None):
     return torch.where(valid, lab, torch.zeros_like(lab)), valid
 
 
+def check_labels(layer, label: torch.Tensor, k: int, ignore: int | None = None) -> None:
+    """Caffe CHECKs 0 <= label < K at every non-ignored position; torch's scatter_/gather
+    would fail with an index error that names neither the layer nor the value."""
+    lab = label.detach().reshape(-1).trunc()    # Caffe's static_cast<int>
+    bad = ~((lab >= 0) & (lab < k))             # NaN is out of range too
+    if ignore is not None:
+        bad &= lab.long() != ignore
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise layer.fail(f"label {lab[i].item():g} at position {i} is out of range: labels must "
+                         f"be in [0, {k}) for {k} classes"
+                         + ("" if ignore is None else f" (or the ignore_label {ignore})"))
+
+
 class _WeightedLogLoss(torch.autograd.Function):
     """x (outer, K, inner), labels (outer, 1, inner), H (K, K) or None (identity) ->
     -sum_l H[label, l] log(max(p_l, floor)) / norm with p = softmax over K (SoftmaxWithLoss:
@@ -206,6 +220,7 @@ class SoftmaxWithLoss(_Loss):
     def forward(self, bottoms):
         x, label = bottoms
         axis = canonical_axis(self.param.softmax_param.axis, x.dim(), self)
+        check_labels(self, label, x.shape[axis], self.ignore)
         tops = [softmax_loss(x, label, axis, self.ignore, self.mode)]
         if self.num_tops > 1:  # Caffe's backward reads only the loss diff: no gradient via prob
             tops.append(torch.softmax(x.detach(), axis))
@@ -280,6 +295,7 @@ class HingeLoss(_Loss):
 
     def forward(self, bottoms):
         x = bottoms[0].reshape(bottoms[0].shape[0], -1)
+        check_labels(self, bottoms[1], x.shape[1])
         lab = bottoms[1].detach().reshape(-1, 1).long()
         sign = torch.ones_like(x).scatter_(1, lab, -1.0)
         t = torch.relu(1 + sign * x)
@@ -330,6 +346,7 @@ class InfogainLoss(_Loss):
         x, label = bottoms[0], bottoms[1]
         axis = canonical_axis(self.param.infogain_loss_param.axis, x.dim(), self)
         h = bottoms[2] if len(bottoms) > 2 else self.h
+        check_labels(self, label, x.shape[axis], self.ignore)
         tops = [weighted_log_loss(x, label, axis, self.ignore, self.mode, h, LOG_THRESHOLD)]
         if self.num_tops > 1:  # Caffe's backward reads only the loss diff: no gradient via prob
             tops.append(torch.softmax(x.detach(), axis))
@@ -362,6 +379,7 @@ class MultinomialLogisticLoss(_Loss):
 
     def forward(self, bottoms):
         p = bottoms[0].reshape(bottoms[0].shape[0], -1)
+        check_labels(self, bottoms[1], p.shape[1])
         return [_MultinomialLogistic.apply(p, bottoms[1].detach().reshape(-1, 1).long())]
 
 
@@ -431,6 +449,7 @@ class Accuracy(Layer):
         outer, k, inner = count(x.shape, 0, axis), x.shape[axis], count(x.shape, axis + 1)
         x = x.reshape(outer, k, inner)
         ignore = p.ignore_label if p.HasField("ignore_label") else None
+        check_labels(self, bottoms[1], k, ignore)
         lab, valid = _labels(bottoms[1].reshape(outer, 1, inner), ignore)
         if valid is None:
             valid = torch.ones_like(lab, dtype=torch.bool)

@@ -162,7 +162,7 @@ def write_binary(path, message: Message) -> None:
 
 def _atomic_write(path, data: bytes) -> None:
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temp_for(path)
     try:
         os.chmod(tmp, _new_file_mode(path))   # mkstemp makes 0600; match a plain open()
         with os.fdopen(fd, "wb") as f:
@@ -170,10 +170,80 @@ def _atomic_write(path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+# Atomic files: a unique temporary next to the target (the rename stays in one directory),
+# fsync'd, renamed, and the directory fsync'd so the rename survives a power cut. The pid in
+# the name lets the next snapshot tell a killed writer's leftover from a live writer's file.
+_TEMP = re.compile(r"^\.(?P<target>.+?)\.(?:(?P<pid>\d+)\.)?[^.]+\.tmp$")
+
+
+def temp_for(path) -> tuple[int, str]:
+    """(fd, name) of a new temporary file for ``path``: ``.<name>.<pid>.<random>.tmp``."""
+    path = Path(path)
+    return tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.{os.getpid()}.",
+                            suffix=".tmp")
+
+
+def fsync_path(path) -> None:
+    """fsync a file or directory by name (a directory: make a rename in it durable)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:       # some file systems cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory) -> None:
+    fsync_path(os.fspath(directory) or ".")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(prefix) -> list[str]:
+    """Remove temporary files that killed snapshot writers left for files named
+    ``<prefix>*``: ours, those of processes no longer running, and the fixed ``<file>.tmp``
+    names older brewnet used. Returns the paths removed."""
+    prefix = Path(prefix)
+    folder, base = prefix.parent, prefix.name
+    removed = []
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return removed
+    for name in names:
+        m = _TEMP.match(name)
+        if m and m.group("target").startswith(base):
+            pid = m.group("pid")
+            if pid is not None and int(pid) != os.getpid() and _pid_alive(int(pid)):
+                continue       # a live writer's file
+        elif not (name.startswith(base) and name.endswith(".tmp")):
+            continue
+        try:
+            os.unlink(folder / name)
+        except OSError:
+            continue
+        removed.append(str(folder / name))
+        log.info("Removed %s, left by an interrupted snapshot", folder / name)
+    return removed
 
 
 def _new_file_mode(path: Path) -> int:

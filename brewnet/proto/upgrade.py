@@ -171,7 +171,7 @@ def upgrade_net(net, source: str = "<net>"):
         _report(ok, "V1LayerParameter", source)
     if needs_input_upgrade(out):
         log.info("Attempting to upgrade deprecated input fields in %s", source)
-        upgrade_net_input(out)
+        upgrade_net_input(out, source)
         log.info("Replaced input fields with an Input layer")
     if needs_batchnorm_upgrade(out):
         log.info("Attempting to upgrade BatchNorm param specs in %s", source)
@@ -339,7 +339,7 @@ def upgrade_v1_layer(v1, out) -> bool:
     return True
 
 
-def upgrade_net_input(net) -> None:
+def upgrade_net_input(net, source: str = "<net>") -> None:
     """``input`` + ``input_shape``/``input_dim`` -> an Input layer named "input", placed first.
 
     Inputs without any shape (old caffemodels) are simply dropped.
@@ -347,11 +347,11 @@ def upgrade_net_input(net) -> None:
     has_shape, has_dim = len(net.input_shape) > 0, len(net.input_dim) > 0
     if has_shape or has_dim:
         if has_shape and len(net.input_shape) != len(net.input):
-            raise ProtoError(f"{len(net.input)} inputs but {len(net.input_shape)} input_shape "
-                             "entries")
+            raise ProtoError(f"{source}: {len(net.input)} inputs but {len(net.input_shape)} "
+                             "input_shape entries")
         if not has_shape and len(net.input_dim) != 4 * len(net.input):
-            raise ProtoError(f"{len(net.input)} inputs need {4 * len(net.input)} input_dim "
-                             f"values, got {len(net.input_dim)}")
+            raise ProtoError(f"{source}: {len(net.input)} inputs need {4 * len(net.input)} "
+                             f"input_dim values, got {len(net.input_dim)}")
         layer = pb.LayerParameter(name="input", type="Input")
         for i, name in enumerate(net.input):
             layer.top.append(name)

@@ -397,8 +397,9 @@ class Solver:
         """Write ``<prefix>_iter_N.caffemodel[.h5]`` and ``.solverstate[.h5]``; returns the
         solver state's path."""
         from ..weights import net_to_proto, save_weights_h5
-        from ..proto.io import write_binary
+        from ..proto.io import remove_stale_temps, write_binary
 
+        remove_stale_temps(f"{self.param.snapshot_prefix}_iter_")   # a killed snapshot's
         self._store_steps()
         p = self.param
         h5 = p.snapshot_format == pb.SolverParameter.HDF5

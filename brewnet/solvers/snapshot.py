@@ -7,7 +7,6 @@ while snapshotting never leaves a truncated file under the final name.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +14,8 @@ import numpy as np
 
 from ..proto import caffe_pb2 as pb
 from ..proto.errors import ProtoError
-from ..proto.io import array_to_blob, blob_to_array, read_binary, write_binary
+from ..proto.io import (array_to_blob, blob_to_array, fsync_dir, fsync_path, read_binary,
+                        temp_for, write_binary)
 
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 
@@ -44,7 +44,7 @@ def write_solverstate_h5(path, state: SolverStateData) -> None:
     import h5py
 
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temp_for(path)
     os.close(fd)
     try:
         with h5py.File(tmp, "w") as f:
@@ -54,7 +54,9 @@ def write_solverstate_h5(path, state: SolverStateData) -> None:
             g = f.create_group("history")
             for i, h in enumerate(state.history):
                 g.create_dataset(str(i), data=np.asarray(h, dtype=np.float32))
+        fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -30,7 +30,17 @@ def run(args) -> int:
               file=sys.stderr)
         return 1
     try:
+        with open(args.log, "rb") as f:
+            head = f.read(8192)
+        # A text log has no NUL bytes and decodes; anything else would give empty CSVs.
+        if b"\0" in head or head.decode("utf-8", "replace").count("\ufffd") > len(head) // 100:
+            print(f"brewnet parse-log: {args.log} is not a text log (binary data); nothing parsed",
+                  file=sys.stderr)
+            return 1
         train, test = parse_log(args.log)
+        if not train and not test:
+            print(f"brewnet parse-log: {args.log}: no training or test iterations found",
+                  file=sys.stderr)
         paths = save_csv_files(args.log, out_dir, train, test, delimiter=args.delimiter)
     except OSError as e:
         print(f"brewnet parse-log: {e}", file=sys.stderr)

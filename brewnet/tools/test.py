@@ -70,7 +70,9 @@ def run(args) -> int:
         runtime.configure(device)
         net = Net(args.model, pb.TEST, level=args.level, stages=stages(args.stage), device=device)
         size_threads(net)
-        net.copy_from(args.weights)
+        from ..weights import load_weights
+
+        load_weights(net, args.weights, require_match=True)   # another net's file is an error
         log.info("Running for %d iterations.", args.iterations)
         loss, results = score(net, args.iterations)
     except USER_ERRORS as e:

@@ -85,6 +85,25 @@ def run(args) -> int:
     setup_logging()
     if args.snapshot and args.weights:
         return report(COMMAND, "Give a snapshot to resume training or weights to finetune but not both.")
+    from ..solvers.guards import signal_effects
+
+    # As Caffe, the handlers go in before the solver is built and stay until the command
+    # ends: a Ctrl-C while the nets load is kept and acted on at the first iteration check,
+    # and no SIGINT turns into a KeyboardInterrupt.
+    holder, pending, told = [], [], set()
+
+    def request(effect):
+        if effect not in told:
+            told.add(effect)
+            log.info("Signal received: %s requested (acted on at the next iteration check)",
+                     effect)
+        (holder[0].request_action if holder else pending.append)(effect)
+
+    with signal_effects(request, args.sigint_effect, args.sighup_effect):
+        return _train(args, holder, pending)
+
+
+def _train(args, holder, pending) -> int:
     try:
         from ..solvers import get_solver
 
@@ -93,6 +112,9 @@ def run(args) -> int:
         for w in param.weights:
             log.info("Finetuning from %s", w)
         solver = get_solver(param, device=device)
+        holder.append(solver)
+        for effect in pending:
+            solver.request_action(effect)
         size_threads(solver.net)
         resize_threads_after(solver)
         if args.snapshot:
@@ -105,8 +127,7 @@ def run(args) -> int:
                     bar.set_postfix(loss=f"{float(s.loss):.4g}", refresh=False)
                 solver.add_callback(on_gradients=advance)
             t0 = time.perf_counter()
-            solver.solve(resume_file=args.snapshot or None, sigint_effect=args.sigint_effect,
-                         sighup_effect=args.sighup_effect)
+            solver.solve(resume_file=args.snapshot or None)   # handlers are run()'s
     except USER_ERRORS as e:
         return report(COMMAND, e)
     wall = time.perf_counter() - t0
