@@ -98,7 +98,10 @@ class Blob:
         t = (self._t if which == "data" else self._d).detach()
         if t.device.type == "cpu":
             arr = t.numpy()
-            self._views[which].append(weakref.ref(arr))
+            refs = self._views[which]
+            if len(refs) > 4:                   # drop the dead ones (input blobs are never written)
+                refs[:] = [r for r in refs if r() is not None]
+            refs.append(weakref.ref(arr))
             return arr
         host = self._host.get(which)
         if which not in self._dirty:            # refresh from the device, in place when it fits
