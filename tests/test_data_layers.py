@@ -282,7 +282,7 @@ def test_prefetcher_bounded_ordered_and_reraises():
     assert p.get() == 0
     # The producer puts 1 and 2, makes 3 and blocks on the full queue: nothing more is made
     # until the consumer takes one (the timeout only bounds a failure).
-    assert made_3.wait(60) and p._queue.full() and len(made) == 4
+    assert made_3.wait(60) and p.ready == 2 and len(made) == 4
     assert [p.get() for _ in range(6)] == [1, 2, 3, 4, 5, 6]
     with pytest.raises(KeyError, match="record 7"):
         p.get()

@@ -131,6 +131,11 @@ class Prefetcher:
         return item
 
     @property
+    def ready(self) -> int:
+        """Batches made and waiting in the queue (at most ``depth``)."""
+        return self._queue.qsize()
+
+    @property
     def produce_s(self) -> float:
         """Producer time spent making batches."""
         return self._stats.produce_s
