@@ -182,6 +182,16 @@ def param_views() -> int:
     return _param_views
 
 
+def diff_viewed(param: torch.Tensor) -> bool:
+    """Whether a numpy view of ``param``'s diff (its ``.grad``) is alive: then the solver
+    clears the diff in place instead of dropping it, so the view follows (Caffe's memory)."""
+    refs = getattr(param, "_brewnet_diff_views", None)
+    if not refs:
+        return False
+    refs[:] = [r for r in refs if r() is not None]
+    return bool(refs)
+
+
 class ParamBlob(Blob):
     """A layer parameter: ``tensor`` is the layer's leaf tensor, ``diff`` its ``.grad``.
 
@@ -215,7 +225,13 @@ class ParamBlob(Blob):
     def _view(self, which: str):
         global _param_views
         _param_views += 1
-        return super()._view(which)
+        arr = super()._view(which)
+        if which == "diff":
+            t = self._t if self._t._base is None else self._t._base
+            if not hasattr(t, "_brewnet_diff_views"):
+                t._brewnet_diff_views = []          # on the tensor: dies with it
+            t._brewnet_diff_views.append(weakref.ref(arr))
+        return arr
 
     def reshape(self, *shape) -> None:
         raise ValueError("parameter blobs cannot be reshaped")

@@ -202,3 +202,19 @@ def test_backward_without_forward_matches_float64():
                                @ torch.tensor(x.reshape(5, -1), dtype=torch.float64)).numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(net.blobs["conv"].diff.reshape(5, -1),
                                (torch.tensor(d, dtype=torch.float64) @ w).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_param_diff_view_follows_solver_steps(tmp_path):
+    """``d = solver.net.params['conv1'][0].diff`` keeps showing the current diff across steps."""
+    solver_text = f'''net_param {{ {SMALL} }}
+base_lr: 0.01 lr_policy: "fixed" momentum: 0.9 max_iter: 10 snapshot_prefix: "{tmp_path}/s"'''
+    s = caffe.SGDSolver(solver_text)
+    s.net.blobs["data"].data[...] = np.random.default_rng(1).standard_normal((4, 1, 12, 12))
+    s.net.blobs["label"].data[...] = [0, 1, 2, 3]
+    s.step(1)
+    d = s.net.params["conv1"][0].diff
+    first = d.copy()
+    s.step(1)
+    assert np.shares_memory(d, s.net.params["conv1"][0].diff)
+    np.testing.assert_array_equal(d, s.net.params["conv1"][0].diff)
+    assert not np.array_equal(d, first)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .. import runtime
+from ..blob import diff_viewed
 from ..net import Net
 from ..proto import caffe_pb2 as pb
 from . import snapshot as ss
@@ -178,10 +179,14 @@ class Solver:
         tic, last = time.perf_counter(), self.iter
         while self.iter < stop_iter:
             # Caffe's ClearParamDiffs. Dropping the grads (rather than zeroing them) lets
-            # autograd store the fresh gradients without a zero pass and an add pass.
+            # autograd store the fresh gradients without a zero pass and an add pass; a diff
+            # someone holds a numpy view of is zeroed in place instead, so the view follows.
             self._pending_steps = []
             for t in self.net.learnable:
-                t.grad = None
+                if t.grad is not None and diff_viewed(t):
+                    t.grad.zero_()
+                else:
+                    t.grad = None
             if p.test_interval and self.iter % p.test_interval == 0 and (self.iter > 0 or p.test_initialization):
                 self.test_all()
                 if self._early_exit:
