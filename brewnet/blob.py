@@ -8,7 +8,10 @@ they are host mirrors (Caffe's SyncedMemory): reading one refreshes the mirror f
 Memory is stable as in Caffe: the executor stores a computed value with ``write``, which copies
 into the existing memory while a numpy view of it is alive (so ``conv0 = blob.data[0, 0]`` shows
 the next forward's values) and otherwise just takes the new tensor (no copy: nobody can tell).
-``reshape`` keeps the memory when the new shape fits in it (Caffe's Reshape and capacity).
+A tensor taken that way may share memory with another blob (a Flatten's view, a Split's tops, a
+gradient autograd passed through), so the first view handed out of it gives the blob memory of
+its own (one copy) before anything is ever written into it.
+``reshape`` keeps the memory when the new shape fits in it (Caffe's capacity rule).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class Blob:
         self._host: dict[str, np.ndarray] = {}      # CUDA: which -> mirror handed out
         self._dirty: set[str] = set()               # CUDA: mirrors that may have been written
         self._views: dict[str, list] = {"data": [], "diff": []}   # weakrefs to handed-out arrays
+        self._owned = {"data": True, "diff": True}    # False: memory taken from a computation
 
     # -- torch side -------------------------------------------------------------------------
     @property
@@ -50,7 +54,9 @@ class Blob:
         if t.shape != self._d.shape:   # a data-dependent top (Filter) changed shape in forward
             self._dirty.discard("diff")
             self._d = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+            self._owned["diff"] = True
         self._t = t
+        self._owned["data"] = True
 
     @property
     def diff_tensor(self) -> torch.Tensor:
@@ -61,6 +67,7 @@ class Blob:
     def diff_tensor(self, t: torch.Tensor) -> None:
         self._dirty.discard("diff")
         self._d = t
+        self._owned["diff"] = True
 
     def write(self, t: torch.Tensor) -> None:
         """Store a computed value as Caffe does: into the blob's memory while a view of it is
@@ -73,6 +80,7 @@ class Blob:
                 self._t.copy_(t)
         else:
             self.tensor = t
+            self._owned["data"] = False
 
     def write_diff(self, g: torch.Tensor) -> None:
         if self._viewed("diff") and g.shape == self._d.shape:
@@ -81,6 +89,7 @@ class Blob:
                 self._d.copy_(g)
         else:
             self.diff_tensor = g
+            self._owned["diff"] = False
 
     def _viewed(self, which: str) -> bool:
         refs = self._views[which]
@@ -94,7 +103,21 @@ class Blob:
             with torch.no_grad():
                 dst.copy_(torch.from_numpy(self._host[which]))
 
+    def _own(self, which: str) -> None:
+        """Give the blob memory of its own before a view of it is handed out (see above)."""
+        if self._owned[which]:
+            return
+        src = (self._t if which == "data" else self._d).detach()
+        mine = torch.empty_like(src)          # same layout (channels_last stays)
+        mine.copy_(src)
+        if which == "data":
+            self._t = mine.requires_grad_(self._t.requires_grad and self._t.is_leaf)
+        else:
+            self._d = mine
+        self._owned[which] = True
+
     def _view(self, which: str) -> np.ndarray:
+        self._own(which)
         t = (self._t if which == "data" else self._d).detach()
         if t.device.type == "cpu":
             arr = t.numpy()
@@ -169,6 +192,9 @@ class Blob:
                    ).requires_grad_(grad)
         new_d = _fit(d, shape)
         self._d = new_d if new_d is not None else torch.zeros(shape, dtype=d.dtype, device=d.device)
+        # Memory kept stays as owned as it was; fresh memory is the blob's own.
+        self._owned["data"] = self._owned["data"] or new_t is None
+        self._owned["diff"] = self._owned["diff"] or new_d is None
 
     def __repr__(self) -> str:
         return f"Blob(shape={self.shape})"
@@ -202,6 +228,7 @@ class ParamBlob(Blob):
         self._layer, self._index = layer, index
         self._host, self._dirty = {}, set()
         self._views = {"data": [], "diff": []}
+        self._owned = {"data": True, "diff": True}     # the layer's own tensors
 
     @property
     def _t(self):

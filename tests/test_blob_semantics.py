@@ -218,3 +218,29 @@ base_lr: 0.01 lr_policy: "fixed" momentum: 0.9 max_iter: 10 snapshot_prefix: "{t
     assert np.shares_memory(d, s.net.params["conv1"][0].diff)
     np.testing.assert_array_equal(d, s.net.params["conv1"][0].diff)
     assert not np.array_equal(d, first)
+
+
+def test_a_view_never_writes_into_another_blobs_memory():
+    """A Flatten top is a view of its bottom and a Split's tops are its bottom: once a numpy view
+    of such a blob is taken, later writes go to memory of its own, never into the other blob."""
+    text = """force_backward: true
+    layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } }
+    layer { name: "split" type: "Split" bottom: "x" top: "a" top: "b" }
+    layer { name: "relu" type: "ReLU" bottom: "b" top: "r" }
+    layer { name: "flat" type: "Flatten" bottom: "r" top: "f" }
+    layer { name: "scale" type: "Power" bottom: "a" top: "s" power_param { scale: 2 } }"""
+    net = caffe.Net(text, caffe.TRAIN)
+    x = np.array([[1, -2, 3], [-4, 5, -6]], np.float32)
+    net.forward(x=x)
+    a, f = net.blobs["a"].data, net.blobs["f"].data
+    assert not np.shares_memory(a, net.blobs["x"].data) and not np.shares_memory(f, net.blobs["r"].data)
+    net.forward(x=-x)
+    np.testing.assert_array_equal(net.blobs["x"].data, -x)
+    np.testing.assert_array_equal(a, -x)
+    np.testing.assert_array_equal(f, np.maximum(-x, 0))
+    net.blobs["s"].diff[...] = 1
+    net.blobs["f"].diff[...] = 1
+    da = net.blobs["a"].diff
+    net.backward()
+    np.testing.assert_array_equal(da, 2)
+    np.testing.assert_array_equal(net.blobs["x"].diff, 2 + (-x > 0))
