@@ -317,7 +317,7 @@ def test_device_query_with_cuda(capsys):
 def test_shapes_lenet(capsys):
     assert main(["shapes", "-phase", "TEST", str(LENET_DEPLOY)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"conv2\s+Convolution\s+conv2 \(64, 50, 8, 8\)\s+25,050", out)
+    assert re.search(r"conv2\s+Convolution\s+conv2 \(64, 50, 8, 8\)\s+14 /2 @0\s+25,050", out)
     assert re.search(r"total\s+431,080", out)
 
 
