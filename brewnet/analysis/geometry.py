@@ -31,15 +31,26 @@ class Axis:
     start: Fraction
 
 
-def _window(f: Axis, k: int, s: int, p: int, d: int = 1) -> Axis:
+def unit(transposed: bool, k: int, s: int, p: int, d: int = 1) -> Axis:
+    """What one top unit of a window layer sees, in bottom units: a convolution/pooling window
+    (size k', stride s, start -p), or for a deconvolution the bottom units that reach it."""
     k = (k - 1) * d + 1
-    return Axis(f.size + (k - 1) * f.stride, f.stride * s, f.start - p * f.stride)
+    if transposed:
+        return Axis(1 + Fraction(k - 1, s), Fraction(1, s), Fraction(p - k + 1, s))
+    return Axis(Fraction(k), Fraction(s), Fraction(-p))
+
+
+def compose(f: Axis, u: Axis) -> Axis:
+    """A bottom field ``f`` (in pixels) seen through a layer's ``unit`` (in bottom units)."""
+    return Axis(f.size + (u.size - 1) * f.stride, f.stride * u.stride, f.start + u.start * f.stride)
+
+
+def _window(f: Axis, k: int, s: int, p: int, d: int = 1) -> Axis:
+    return compose(f, unit(False, k, s, p, d))
 
 
 def _deconv(f: Axis, k: int, s: int, p: int, d: int = 1) -> Axis:
-    k = (k - 1) * d + 1
-    step = f.stride / s
-    return Axis(f.size + (k - 1) * step, step, f.start + (p - k + 1) * step)
+    return compose(f, unit(True, k, s, p, d))
 
 
 def _union(fields: list[tuple[Axis, ...]]) -> tuple[Axis, ...] | None:
