@@ -14,7 +14,7 @@ from .layers.python import Layer  # noqa: E402  (base class of Python layers)
 from .net import NetError  # noqa: E402
 from .proto import caffe_pb2  # noqa: E402
 from .proto.caffe_pb2 import TEST, TRAIN  # noqa: E402
-from .pycaffe import coord_map  # noqa: E402  (pycaffe's caffe.coord_map)
+from .pycaffe import coord_map, draw  # noqa: E402  (pycaffe's caffe.coord_map, caffe.draw)
 from .pycaffe import (AdaDeltaSolver, AdaGradSolver, AdamSolver, Classifier, NesterovSolver,  # noqa: E402
                       Net, NetSpec, RMSPropSolver, SGDSolver, get_solver, io, params, set_device,
                       set_mode_cpu, set_mode_gpu, set_random_seed, to_proto)
@@ -28,4 +28,4 @@ def layer_type_list() -> list[str]:
 __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu", "set_mode_gpu",
            "set_device", "set_random_seed", "layer_type_list", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
-           "Layer", "Classifier", "coord_map", "layers", "params", "NetSpec", "to_proto", "__version__"]
+           "Layer", "Classifier", "coord_map", "draw", "layers", "params", "NetSpec", "to_proto", "__version__"]

@@ -2,7 +2,7 @@
 views, the solvers whose nets are such Nets, ``Classifier``, ``NetSpec`` (``layers``/``params``/
 ``to_proto``), ``io`` and the process-wide mode. ``import brewnet as caffe`` re-exports it all.
 """
-from . import coord_map, io  # noqa: F401
+from . import coord_map, draw, io  # noqa: F401
 from .classifier import Classifier
 from .mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
 from .net import LayerView, Net
@@ -28,6 +28,6 @@ def _install_layer_namespace() -> None:
 
 _install_layer_namespace()
 
-__all__ = ["Net", "LayerView", "Classifier", "coord_map", "NetSpec", "params", "to_proto", "io", "set_mode_cpu",
+__all__ = ["Net", "LayerView", "Classifier", "coord_map", "draw", "NetSpec", "params", "to_proto", "io", "set_mode_cpu",
            "set_mode_gpu", "set_device", "set_random_seed", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver"]
