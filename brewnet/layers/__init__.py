@@ -2,6 +2,7 @@
 computing layers. The database readers (Data, ImageData, HDF5Data, WindowData) register from
 ``brewnet.data.layers``, which builds on ``data.SourceLayer`` here (``brewnet.net`` imports both).
 pycaffe adds NetSpec's ``L.Convolution(...)`` namespace to this package (brewnet.pycaffe)."""
-from .base import LAYERS, Layer, LayerError, layer_class, register  # noqa: F401
+from .base import Layer, LayerError  # noqa: F401
+from .registry import LAYERS, layer_class, register  # noqa: F401
 from . import (common, data, detection, loss, multibox, neuron, normalization,  # noqa: F401
                python, recurrent, shape, vision)

@@ -1,4 +1,4 @@
-"""The Layer base class and the registry keyed by Caffe's type strings.
+"""The Layer base class (the registry keyed by Caffe's type strings is ``registry.py``).
 
 Lifecycle, owned by the base (``set_up``, Caffe's ``SetUp``): check the bottom/top counts,
 ``setup`` (Caffe's ``LayerSetUp``: read params, create ``blobs``, the learnable tensors in
@@ -8,7 +8,8 @@ ops; autograd gives backward unless Caffe's gradient deliberately differs (then 
 autograd.Function). What tools need to know of a layer it declares here too: ``routing`` (moves
 values, computes nothing), ``flops``, and ``allow_backward`` (bottoms that take no gradient).
 
-Adding a layer: one subclass with ``@register("Type")`` and one reference test row.
+Adding a built-in layer: one subclass with ``@register("Type")`` and one reference test row;
+a plugin (user code, installed packages): ``@brewnet.register_layer("Type")``, see ``registry``.
 """
 from __future__ import annotations
 
@@ -17,30 +18,6 @@ from typing import ClassVar, Sequence
 import torch
 
 Shape = tuple[int, ...]
-
-LAYERS: dict[str, type["Layer"]] = {}
-
-
-def register(type_name: str):
-    """Class decorator: ``@register("Pooling")`` makes the class the layer for that Caffe type."""
-
-    def wrap(cls):
-        if type_name in LAYERS:
-            raise ValueError(f"layer type {type_name!r} registered twice")
-        cls.type = type_name
-        LAYERS[type_name] = cls
-        return cls
-
-    return wrap
-
-
-def layer_class(type_name: str, layer_name: str = "?") -> type["Layer"]:
-    try:
-        return LAYERS[type_name]
-    except KeyError:
-        raise LayerError(
-            f"Layer '{layer_name}': unknown layer type '{type_name}'. "
-            f"Known types: {', '.join(sorted(LAYERS))}") from None
 
 
 class LayerError(ValueError):
