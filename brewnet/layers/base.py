@@ -17,6 +17,8 @@ from typing import ClassVar, Sequence
 
 import torch
 
+from .param_str import parse_params
+
 Shape = tuple[int, ...]
 
 
@@ -51,12 +53,16 @@ class Layer:
     # "elementwise" (each output from a few inputs: an ulp apart at most), or "reduction" (sums
     # over many inputs in another order than OpenBLAS: relative 1e-5-ish). Routing is elementwise.
     arithmetic: ClassVar[str] = "reduction"
+    # Plugins: a dataclass that ``python_param.param_str`` is parsed into, as ``self.params``,
+    # before ``setup`` (see param_str.py). None: no parsing (built-ins read their *_param).
+    Params: ClassVar[type | None] = None
 
     def __init__(self, param, phase: int):
         self.param = param            # caffe_pb2.LayerParameter
         self.name: str = param.name
         self.phase: int = phase       # caffe_pb2.TRAIN (0) or TEST (1)
         self.blobs: list[torch.Tensor] = []
+        self.params = None            # a Params instance once set up, when the class has Params
 
     # -- lifecycle -------------------------------------------------------------------------
     def set_up(self, bottom_shapes: Sequence[Shape]) -> list[Shape]:
@@ -66,6 +72,8 @@ class Layer:
         shapes = [tuple(int(d) for d in s) for s in bottom_shapes]
         try:
             self.check_counts(len(shapes), self.num_tops)
+            if self.Params is not None:
+                self.params = self._parse_params()
             self.setup(shapes)
             return self.top_shapes(shapes)
         except (LayerError, NotImplementedError):
@@ -105,6 +113,12 @@ class Layer:
         return 0 if self.routing else sum(count(s) for s in top_shapes)
 
     # -- helpers ---------------------------------------------------------------------------
+    def _parse_params(self):
+        try:
+            return parse_params(self.Params, self.param.python_param.param_str)
+        except ValueError as e:
+            raise self.fail(f"python_param.param_str: {e}") from None
+
     @property
     def num_tops(self) -> int:
         return len(self.param.top)
