@@ -78,7 +78,7 @@ def _pairs(text: str) -> tuple[dict, bool]:
     for item in filter(None, re.split(r"[\s,]+", s)):
         key, eq, value = item.partition("=")
         if not eq or not key:
-            raise ValueError(f"param_str item {item!r} is not key=value")
+            raise ValueError(f"item {item!r} is not key=value")
         if key in out:
             raise ValueError(f"param '{key}' given twice")
         out[key] = value

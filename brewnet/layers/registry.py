@@ -94,9 +94,11 @@ def unregister_layer(type_name: str) -> None:
 def load_plugins() -> list[str]:
     """Import the ``brewnet.layers`` entry points not imported yet; returns one message per
     entry point that failed (naming its distribution), retried on the next call."""
+    seen = set()
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         dist = ep.dist.name if ep.dist is not None else "?"
         key = (dist, ep.name, ep.value)
+        seen.add(key)
         if key in _loaded:
             continue
         try:
@@ -112,6 +114,8 @@ def load_plugins() -> list[str]:
             continue
         _loaded.add(key)
         _failed.pop(key, None)
+    for key in set(_failed) - seen:  # uninstalled since: no longer a reason for anything
+        del _failed[key]
     return list(_failed.values())
 
 
