@@ -8,7 +8,7 @@ import pytest
 import torch
 from google.protobuf import text_format
 
-from brewnet.layers import layer_class
+from brewnet.layers import create_layer
 from brewnet.proto import caffe_pb2 as pb
 
 # The shared data (default: ../shared next to the checkout). Small text and golden data are also
@@ -64,8 +64,7 @@ def layer_param(text: str) -> "pb.LayerParameter":
 
 def make_layer(text: str, bottom_shapes, phase=pb.TEST):
     """Parse a ``layer { ... }`` body, set the layer up; returns (layer, top_shapes)."""
-    p = layer_param(text)
-    layer = layer_class(p.type, p.name)(p, phase)
+    layer = create_layer(text, phase)
     return layer, layer.set_up(bottom_shapes)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..layers.base import register
+from ..layers.registry import register
 from ..layers.data import SourceLayer
 from .source import check_batch
 from .transform import _seed_rng

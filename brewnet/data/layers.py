@@ -16,7 +16,7 @@ import logging
 import numpy as np
 import torch
 
-from ..layers.base import register
+from ..layers.registry import register
 from ..proto import caffe_pb2 as pb
 from .convert import ListError, read_list
 from .db import DBError, _show, decode_datum, open_db

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..layers.base import LayerError, register
+from ..layers.base import LayerError
+from ..layers.registry import register
 from .source import Loader, Prefetching
 from .transform import _seed_rng, cv, decode_image, read_image
 

@@ -1,4 +1,4 @@
-"""The Layer base class and the registry keyed by Caffe's type strings.
+"""The Layer base class (the registry keyed by Caffe's type strings is ``registry.py``).
 
 Lifecycle, owned by the base (``set_up``, Caffe's ``SetUp``): check the bottom/top counts,
 ``setup`` (Caffe's ``LayerSetUp``: read params, create ``blobs``, the learnable tensors in
@@ -8,7 +8,8 @@ ops; autograd gives backward unless Caffe's gradient deliberately differs (then 
 autograd.Function). What tools need to know of a layer it declares here too: ``routing`` (moves
 values, computes nothing), ``flops``, and ``allow_backward`` (bottoms that take no gradient).
 
-Adding a layer: one subclass with ``@register("Type")`` and one reference test row.
+Adding a built-in layer: one subclass with ``@register("Type")`` and one reference test row;
+a plugin (user code, installed packages): ``@brewnet.register_layer("Type")``, see ``registry``.
 """
 from __future__ import annotations
 
@@ -16,31 +17,9 @@ from typing import ClassVar, Sequence
 
 import torch
 
+from .param_str import parse_params
+
 Shape = tuple[int, ...]
-
-LAYERS: dict[str, type["Layer"]] = {}
-
-
-def register(type_name: str):
-    """Class decorator: ``@register("Pooling")`` makes the class the layer for that Caffe type."""
-
-    def wrap(cls):
-        if type_name in LAYERS:
-            raise ValueError(f"layer type {type_name!r} registered twice")
-        cls.type = type_name
-        LAYERS[type_name] = cls
-        return cls
-
-    return wrap
-
-
-def layer_class(type_name: str, layer_name: str = "?") -> type["Layer"]:
-    try:
-        return LAYERS[type_name]
-    except KeyError:
-        raise LayerError(
-            f"Layer '{layer_name}': unknown layer type '{type_name}'. "
-            f"Known types: {', '.join(sorted(LAYERS))}") from None
 
 
 class LayerError(ValueError):
@@ -74,12 +53,16 @@ class Layer:
     # "elementwise" (each output from a few inputs: an ulp apart at most), or "reduction" (sums
     # over many inputs in another order than OpenBLAS: relative 1e-5-ish). Routing is elementwise.
     arithmetic: ClassVar[str] = "reduction"
+    # Plugins: a dataclass that ``python_param.param_str`` is parsed into, as ``self.params``,
+    # before ``setup`` (see param_str.py). None: no parsing (built-ins read their *_param).
+    Params: ClassVar[type | None] = None
 
     def __init__(self, param, phase: int):
         self.param = param            # caffe_pb2.LayerParameter
         self.name: str = param.name
         self.phase: int = phase       # caffe_pb2.TRAIN (0) or TEST (1)
         self.blobs: list[torch.Tensor] = []
+        self.params = None            # a Params instance once set up, when the class has Params
 
     # -- lifecycle -------------------------------------------------------------------------
     def set_up(self, bottom_shapes: Sequence[Shape]) -> list[Shape]:
@@ -89,6 +72,8 @@ class Layer:
         shapes = [tuple(int(d) for d in s) for s in bottom_shapes]
         try:
             self.check_counts(len(shapes), self.num_tops)
+            if self.Params is not None:
+                self.params = self._parse_params()
             self.setup(shapes)
             return self.top_shapes(shapes)
         except (LayerError, NotImplementedError):
@@ -128,6 +113,12 @@ class Layer:
         return 0 if self.routing else sum(count(s) for s in top_shapes)
 
     # -- helpers ---------------------------------------------------------------------------
+    def _parse_params(self):
+        try:
+            return parse_params(self.Params, self.param.python_param.param_str)
+        except ValueError as e:
+            raise self.fail(f"python_param.param_str: {e}") from None
+
     @property
     def num_tops(self) -> int:
         return len(self.param.top)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from ..proto import caffe_pb2 as pb
 from . import functional as Fn
-from .base import Layer, canonical_axis, count, register
+from .base import Layer, canonical_axis, count
+from .registry import register
 from .neuron import f32
 
 Op = pb.EltwiseParameter

@@ -10,7 +10,8 @@ import torch
 
 from ..fillers import fill
 from ..proto import caffe_pb2 as pb
-from .base import Layer, register
+from .base import Layer
+from .registry import register
 
 
 class SourceLayer(Layer):

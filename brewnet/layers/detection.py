@@ -18,7 +18,8 @@ import torch
 
 from ..proto import caffe_pb2 as pb
 from . import bbox as B
-from .base import Layer, register
+from .base import Layer
+from .registry import register
 
 FLT_MAX = float(np.finfo(np.float32).max)
 

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ..proto import caffe_pb2 as pb
-from .base import Layer, canonical_axis, count, register
+from .base import Layer, canonical_axis, count
+from .registry import register
 
 FULL, VALID, BATCH_SIZE, NONE = 0, 1, 2, 3   # LossParameter.NormalizationMode
 FLT_MIN = 1.17549435e-38                     # SoftmaxWithLoss clamps probabilities here

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from . import bbox as B
-from .base import Layer, count, register
+from .base import Layer, count
+from .registry import register
 from .loss import NONE, VALID, normalization_mode, normalizer, softmax_loss
 
 

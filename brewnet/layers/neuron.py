@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from ..proto import caffe_pb2 as pb
-from .base import Layer, register
+from .base import Layer
+from .registry import register
 
 
 def f32(v: float) -> float:

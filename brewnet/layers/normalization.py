@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ..proto import caffe_pb2 as pb
-from .base import Layer, Shape, canonical_axis, count, register
+from .base import Layer, Shape, canonical_axis, count
+from .registry import register
 
 
 # -- functional core -------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from ..blob import Blob, ParamBlob
 from .base import Layer as _Layer
-from .base import register
+from .registry import register
 
 
 class BlobVec(list):

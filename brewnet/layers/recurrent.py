@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Layer, count, register
+from .base import Layer, count
+from .registry import register
 
 
 # -- functional core --------------------------------------------------------------------------

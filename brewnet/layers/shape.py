@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Layer, canonical_axis, count, register
+from .base import Layer, canonical_axis, count
+from .registry import register
 
 
 def reshape_shape(bottom, dims, axis=0, num_axes=-1, who=None):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from . import functional as Fn
-from .base import Layer, canonical_axis, count, register
+from .base import Layer, canonical_axis, count
+from .registry import register
 
 # caffe.proto enum values
 MAX, AVE, STOCHASTIC = 0, 1, 2          # PoolingParameter.PoolMethod / SPPParameter.PoolMethod
