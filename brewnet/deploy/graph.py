@@ -93,6 +93,8 @@ class _Tracee(torch.nn.Module):
                         shared[id(layer.blobs[j])] = p
                 self.add_module(attr, sub)
             self.steps.append((i, end, attr, pnames))
+        if not net.inputs:
+            raise NetError(f"Net '{net.name}' has no Input layer: to_torch needs a deploy net")
 
     def forward(self, *inputs):
         net = self.net
@@ -201,8 +203,6 @@ def to_torch(prototxt, weights=None, phase=pb.TEST, fold: bool = False,
     if net.device.type != "cpu":
         raise NetError(f"to_torch traces on the CPU; build Net '{net.name}' there and move the "
                        "module with .to(device)")
-    if not net.inputs:
-        raise NetError(f"Net '{net.name}' has no Input layer: to_torch needs a deploy net")
     with torch.no_grad():
         ep, tracee, dynamic = traced_program(net, fold, dynamic_batch)
     gm = _graph_module(ep, tracee)

@@ -86,6 +86,8 @@ def run(args) -> int:
     out = Path(args.out)
     if out.suffix not in (".onnx", ".pt2"):
         return report(COMMAND, CLIError(f"--out {out}: the file name must end in .onnx or .pt2"))
+    if out.suffix == ".onnx" and args.opset < 17:
+        return report(COMMAND, CLIError(f"--opset {args.opset}: brewnet exports ONNX opset 17 or later"))
     try:
         from ..deploy import export_onnx, export_program, to_torch
 

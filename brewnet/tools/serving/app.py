@@ -60,7 +60,7 @@ class Model:
                 warnings.simplefilter("ignore")          # PIL's decompression-bomb warning
                 w, h = Image.open(_io.BytesIO(body)).size   # the header only
         except Exception:  # noqa: BLE001
-            raise Reject(400, "the body is not a readable JPEG or PNG image") from None
+            raise Reject(400, "the body is not a readable JPEG or PNG image (truncated or corrupt?)") from None
         if w * h > max_pixels:
             raise Reject(413, f"the image has {w}x{h} = {w * h} pixels; the limit is {max_pixels}")
         if body[:2] == b"\xff\xd8" and b"\xff\xd9" not in body[-64:]:
