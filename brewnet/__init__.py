@@ -3,12 +3,14 @@
 ``import brewnet as caffe`` gives pycaffe's surface (``brewnet.pycaffe``, re-exported here):
 ``caffe.Net(prototxt, caffe.TEST, weights=...)``, ``caffe.SGDSolver(path)``,
 ``caffe.set_mode_gpu()``, ``caffe.io`` ... The core it sits on: ``brewnet.net.Net`` (torch
-tensors, per-layer steps), ``brewnet.layers``, ``brewnet.solvers``, ``brewnet.data``.
+tensors, per-layer steps), ``brewnet.to_torch`` (a net as one torch.fx graph),
+``brewnet.layers``, ``brewnet.solvers``, ``brewnet.data``.
 """
 __version__ = "0.1.0"
 
 from . import layers  # noqa: E402  (also NetSpec's L: layers.Convolution(...))
 from .data import layers as _data_layers  # noqa: E402,F401  (registers Data, ImageData, HDF5Data...)
+from .deploy import to_torch  # noqa: E402
 from .layers import LAYERS as _LAYERS  # noqa: E402
 from .layers.python import Layer  # noqa: E402  (base class of Python layers)
 from .net import NetError  # noqa: E402
@@ -27,4 +29,4 @@ def layer_type_list() -> list[str]:
 __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu", "set_mode_gpu",
            "set_device", "set_random_seed", "layer_type_list", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
-           "Layer", "Classifier", "layers", "params", "NetSpec", "to_proto", "__version__"]
+           "Layer", "Classifier", "layers", "params", "NetSpec", "to_proto", "to_torch", "__version__"]

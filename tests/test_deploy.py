@@ -28,6 +28,7 @@ NETS = ["bvlc/examples/mnist/lenet.prototxt", "bvlc/examples/cifar10/cifar10_qui
         "bvlc/examples/cifar10/cifar10_full.prototxt", "bvlc/examples/siamese/mnist_siamese.prototxt",
         "bvlc/models/bvlc_reference_caffenet/deploy.prototxt",
         "squeezenet/SqueezeNet_v1.1/deploy.prototxt", "mobilenet/mobilenet_deploy.prototxt"]
+ONNX_TOO = set(NETS) - {"mobilenet/mobilenet_deploy.prototxt"}   # CI time; open_nsfw covers BN
 RTOL = 1e-5
 
 
@@ -92,7 +93,8 @@ def test_deploy_nets_equal_the_net_in_torch_and_onnx(path, tmp_path):
     assert [tuple(g.shape) for g in got] == [tuple(w.shape) for w in want]
     assert max(rel(g, w) for g, w in zip(got, want)) < RTOL
     assert max(float(w.std()) for w in want) > 0     # the comparison saw real values
-    assert check_onnx(gm, net, xs, tmp_path) < RTOL
+    if path in ONNX_TOO:
+        assert check_onnx(gm, net, xs, tmp_path) < RTOL
 
 
 def test_lenet_module_surface(tmp_path):

@@ -1,5 +1,6 @@
-"""Dynamic batching: concurrent requests wait at most ``max_delay`` for company, then run as one
-forward of up to ``max_batch`` inputs on a single worker thread (torch uses its own threads
+"""Dynamic batching: a request waits at most ``max_delay`` for company, and only while other
+requests are on their way (admitted, still decoding: ``arriving``), so a lone request runs at
+once; then one forward of up to ``max_batch`` inputs on a single worker thread (torch uses its own threads
 inside one forward; two forwards at once would only fight over the cores)."""
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class Batcher:
         self.queue: asyncio.Queue = asyncio.Queue(max_queue)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="brewnet-forward")
         self.task: asyncio.Task | None = None
+        self.arriving = 0      # requests admitted by the app and not yet answered
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._loop())
@@ -55,7 +57,7 @@ class Batcher:
         while True:
             items = [await self.queue.get()]
             deadline = time.monotonic() + self.max_delay
-            while len(items) < self.max_batch:
+            while len(items) < self.max_batch and (self.queue.qsize() or self.arriving > len(items)):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
