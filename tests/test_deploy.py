@@ -42,8 +42,8 @@ def random_net(path, batch=1) -> Net:
     with torch.no_grad():
         for layer in net.layer_list:
             for k, b in enumerate(layer.blobs):
-                if layer.type == "BatchNorm":
-                    b.uniform_(0.5, 1.5)
+                if layer.type == "BatchNorm":     # mean, variance, scale factor
+                    b.normal_().mul_(0.1) if k == 0 else b.uniform_(0.5, 1.5) if k == 1 else b.fill_(1)
                 elif b.dim() >= 2:
                     b.normal_().mul_(b[0].numel() ** -0.5)
                 else:
