@@ -251,7 +251,9 @@ def inner_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     small batches (CaffeNet fc6 at batch 10: ~16 ms instead of ~50 for forward and backward).
     The sums are the same, in another order: the results differ by float rounding only.
     """
+    # Not inside torch.export/compile: a traced graph keeps portable ops (ONNX, other devices).
     if (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
+            and not torch.compiler.is_compiling()
             and w.numel() >= DNN_MIN_WEIGHT and (b is None or b.dtype == torch.float32)
             and _dnn_linear() is not None):
         return _DnnInnerProduct.apply(x, w, b, transpose)

@@ -184,6 +184,18 @@ def load_image(filename, color: bool = True) -> np.ndarray:
     raw = cv().imread(str(filename), cv().IMREAD_UNCHANGED)
     if raw is None:
         raise IOError(f"could not open or decode image file {filename}")
+    return _as_float(raw, color)
+
+
+def decode_image(data: bytes, color: bool = True) -> np.ndarray:
+    """``load_image`` of an encoded image held in memory (JPEG, PNG...)."""
+    raw = cv().imdecode(np.frombuffer(data, np.uint8), cv().IMREAD_UNCHANGED)
+    if raw is None:
+        raise IOError("could not decode the image")
+    return _as_float(raw, color)
+
+
+def _as_float(raw: np.ndarray, color: bool) -> np.ndarray:
     img = raw.astype(np.float64) / np.iinfo(raw.dtype).max if raw.dtype.kind == "u" else raw.astype(np.float64)
     if img.ndim == 3:
         img = img[:, :, 2::-1] if img.shape[2] >= 3 else img[:, :, :1]   # BGR(A) -> RGB

@@ -1,0 +1,91 @@
+"""to_torch and ONNX against the Net on every deploy net given (default: every prototxt under
+../shared/caffe-models with Input layers), random weights scaled by fan-in; prints per net the
+largest relative difference of the graph module and of onnxruntime, or why it cannot export.
+
+    python benchmarks/export.py                       # all (DenseNets and VGGs take minutes each)
+    python benchmarks/export.py path/to/deploy.prototxt ...
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from brewnet.deploy import export_onnx, to_torch
+from brewnet.net import Net
+from brewnet.proto import caffe_pb2 as pb
+from brewnet.proto.io import read_net
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("BREWNET_SHARED") or ROOT.parent / "shared")
+
+
+def randomise(net: Net) -> None:
+    with torch.no_grad():
+        for layer in net.layer_list:
+            for k, b in enumerate(layer.blobs):
+                if layer.type == "BatchNorm":        # mean, variance, scale factor
+                    b.normal_().mul_(0.1) if k == 0 else b.uniform_(0.5, 1.5) if k == 1 else b.fill_(1)
+                elif b.dim() >= 2:
+                    b.normal_().mul_(b[0].numel() ** -0.5)
+                else:
+                    b.normal_().mul_(0.1).add_(1.0 if layer.type == "Scale" and k == 0 else 0.0)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def check(path: Path, out: Path) -> str:
+    import onnxruntime as ort
+
+    param = read_net(str(path))
+    for lp in param.layer:
+        for s in lp.input_param.shape:
+            s.dim[0] = 1
+    torch.manual_seed(0)
+    net = Net(param, pb.TEST)
+    if not net.inputs:
+        return "skip: no Input layer (a train/val net)"
+    randomise(net)
+    try:
+        gm = to_torch(net)
+    except ValueError as e:
+        return f"cannot export: {e}"
+    xs = [torch.randn(net.shapes[n]) for n in net.inputs]
+    for n, x in zip(net.inputs, xs):
+        net.blobs[n].tensor.copy_(x)
+    with torch.no_grad():
+        net.forward_tensors()
+        got = gm(*xs)
+    want = [net.blobs[n].tensor.numpy() for n in net.outputs]
+    got = got if isinstance(got, tuple) else (got,)
+    t_rel = max(rel(g, w) for g, w in zip(got, want))
+    export_onnx(gm, out)
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    o_rel = max(rel(g, w) for g, w in zip(sess.run(None, {n: x.numpy() for n, x in zip(net.inputs, xs)}), want))
+    return f"torch {t_rel:.1e}  onnx {o_rel:.1e}  batch {'dynamic' if gm.dynamic_batch else 'fixed'}"
+
+
+def main() -> int:
+    paths = [Path(p) for p in sys.argv[1:]] or sorted(
+        p for p in (SHARED / "caffe-models").rglob("*.prototxt") if "solver" not in p.name)
+    with tempfile.TemporaryDirectory() as d:
+        for p in paths:
+            t0 = time.perf_counter()
+            try:
+                line = check(p, Path(d) / "net.onnx")
+            except Exception as e:  # noqa: BLE001  (a table row, not a crash)
+                line = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            print(f"{p}: {line}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""``brewnet serve --model M --weights W [--labels synset_words.txt] [--port 8000]``: a
+classification service over HTTP (FastAPI on uvicorn; ``pip install brewnet[serve]``).
+
+The net runs as ``brewnet.deploy.to_torch``'s graph; concurrent requests are batched into one
+forward (``--max-batch``, ``--max-delay-ms``). Images are prepared as pycaffe's Classifier does:
+``--mean``, ``--raw-scale``, ``--input-scale``, ``--channel-swap``, ``--image-dims``. SIGTERM
+stops accepting connections and finishes the requests in flight before exiting.
+"""
+from __future__ import annotations
+
+import logging
+
+from .common import USER_ERRORS, CLIError, add_bool, add_gpu_flag, log_to_stderr, report, single_device
+
+COMMAND = "serve"
+HELP = "serve a classifier over HTTP: POST /predict, GET /healthz, GET /metrics"
+log = logging.getLogger("brewnet")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", "-model", required=True, metavar="M", help="the deploy net (.prototxt)")
+    p.add_argument("--weights", "-weights", required=True, metavar="W", help="trained weights")
+    p.add_argument("--labels", metavar="FILE", help="one class name per line (synset_words.txt)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-batch", type=int, default=16, help="inputs per forward at most (16)")
+    p.add_argument("--max-delay-ms", type=float, default=5.0,
+                   help="how long a request waits for others to batch with (5 ms)")
+    p.add_argument("--top-k", type=int, default=5, help="classes per answer (5)")
+    p.add_argument("--mean", metavar="FILE|B,G,R", help="mean: .binaryproto, .npy or one value per channel")
+    p.add_argument("--raw-scale", type=float, help="multiply [0, 1] pixels by this (255 for ImageNet nets)")
+    p.add_argument("--input-scale", type=float, help="multiply after the mean is subtracted")
+    p.add_argument("--channel-swap", metavar="2,1,0", help="channel order (2,1,0: RGB -> BGR)")
+    p.add_argument("--image-dims", metavar="H,W", help="resize to this, then centre-crop to the input")
+    p.add_argument("--max-body-mb", type=float, default=20.0, help="request body limit (20 MB)")
+    p.add_argument("--max-pixels", type=float, default=40e6, help="image size limit (40e6 pixels)")
+    p.add_argument("--timeout-ms", type=float, default=10000.0, help="time limit per request (10 s)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most (256)")
+    add_bool(p, "fold", "fold Convolution -> BatchNorm -> Scale chains (faster; float rounding)")
+    add_bool(p, "access_log", "log every request")
+    add_gpu_flag(p)
+
+
+def _ints(spec: str, flag: str) -> list[int]:
+    try:
+        return [int(v) for v in spec.split(",")]
+    except ValueError:
+        raise CLIError(f"{flag} '{spec}': expected integers separated by ','") from None
+
+
+def _mean(spec: str, shape):
+    import numpy as np
+
+    if spec.endswith(".binaryproto"):
+        from ..proto import caffe_pb2 as pb
+        from ..pycaffe.io import blobproto_to_array
+
+        blob = pb.BlobProto()
+        with open(spec, "rb") as f:
+            blob.ParseFromString(f.read())
+        mean = blobproto_to_array(blob)[0]
+    elif spec.endswith(".npy"):
+        mean = np.load(spec, allow_pickle=False)
+    else:
+        try:
+            return np.array([float(v) for v in spec.split(",")], np.float32)
+        except ValueError:
+            raise CLIError(f"--mean '{spec}': expected a file or numbers separated by ','") from None
+    if mean.shape != tuple(shape):     # a 256x256 ImageNet mean for a 227 or 224 input
+        log.info("Mean of shape %s averaged per channel for input %s", mean.shape, tuple(shape))
+        mean = mean.reshape(mean.shape[0], -1).mean(1)
+    return mean
+
+
+def build(args):
+    """(Model, input batch if the net fixes it) for the flags."""
+    import torch
+
+    from ..deploy import to_torch
+    from ..net import Net
+    from ..pycaffe import io as cio
+    from .serving.app import Model
+
+    net = Net(args.model, weights=args.weights)
+    if len(net.inputs) != 1 or len(net.shapes[net.inputs[0]]) != 4:
+        raise CLIError(f"{args.model}: serve takes a net with one (N, C, H, W) input; it has "
+                       f"{[(n, net.shapes[n]) for n in net.inputs]}")
+    name, shape = net.inputs[0], net.shapes[net.inputs[0]]
+    gm = to_torch(net, fold=args.fold)
+    device = single_device(args.gpu, COMMAND)
+    gm = gm.to(device)
+    t = cio.Transformer({name: shape})
+    t.set_transpose(name, (2, 0, 1))
+    if args.channel_swap:
+        t.set_channel_swap(name, _ints(args.channel_swap, "--channel-swap"))
+    if args.raw_scale is not None:
+        t.set_raw_scale(name, args.raw_scale)
+    if args.mean:
+        t.set_mean(name, _mean(args.mean, shape[1:]))
+    if args.input_scale is not None:
+        t.set_input_scale(name, args.input_scale)
+    dims = _ints(args.image_dims, "--image-dims") if args.image_dims else list(shape[2:])
+    if len(dims) != 2 or dims[0] < shape[2] or dims[1] < shape[3]:
+        raise CLIError(f"--image-dims {args.image_dims}: two sizes, at least the input's {list(shape[2:])}")
+    labels = []
+    if args.labels:
+        with open(args.labels, encoding="utf-8") as f:
+            labels = [line.strip() for line in f if line.strip()]
+    with torch.inference_mode():    # the first forward sets oneDNN up: not in a request
+        gm(torch.zeros((1 if gm.dynamic_batch else shape[0],) + tuple(shape[1:]), device=device))
+    model = Model(gm, name, shape[1:], t, dims, labels, args.top_k, net.name)
+    return model, (None if gm.dynamic_batch else shape[0]), device
+
+
+def run(args) -> int:
+    log_to_stderr()
+    try:
+        import uvicorn
+
+        from .serving.app import Limits, create_app
+    except ImportError as e:
+        return report(COMMAND, CLIError(f"{e.name} is missing: pip install 'brewnet[serve]'"))
+    from .. import runtime
+
+    try:
+        if args.max_batch < 1:
+            raise CLIError("--max-batch must be at least 1")
+        model, fixed, device = build(args)
+        if fixed is not None and args.max_batch > fixed:
+            log.info("Net '%s' fixes its batch at %d: --max-batch %d -> %d", model.name, fixed,
+                     args.max_batch, fixed)
+            args.max_batch = fixed
+    except USER_ERRORS as e:
+        return report(COMMAND, e)
+    runtime.configure(device, keep_memory=True)      # steady latency: buffers stay allocated
+    limits = Limits(int(args.max_body_mb * (1 << 20)), int(args.max_pixels), args.timeout_ms / 1e3,
+                    args.max_queue)
+    app = create_app(model, limits, args.max_batch, args.max_delay_ms / 1e3, fixed)
+    # log_config=None: uvicorn's lines go through brewnet's log format.
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=args.access_log,
+                timeout_graceful_shutdown=30)
+    return 0

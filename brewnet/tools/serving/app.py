@@ -1,0 +1,171 @@
+"""The FastAPI app of ``brewnet serve``: ``POST /predict``, ``GET /healthz``, ``GET /metrics``.
+
+``/predict`` takes the raw bytes of a JPEG or PNG (``Content-Type: image/jpeg|png``), prepared
+as pycaffe's Classifier prepares an image (resize to ``image_dims``, centre crop, transpose,
+channel swap, raw scale, mean, input scale), or a JSON array already shaped as one net input
+(C, H, W). The answer: the top-k classes with their scores. Each limit answers with a message:
+413 body or pixels too large, 415 content type, 400 empty or undecodable body, 422 wrong JSON,
+503 queue full or past the time limit (``X-Timeout-Ms`` may lower it for one request).
+"""
+from __future__ import annotations
+
+import asyncio
+import io as _io
+import json
+import logging
+import time
+import warnings
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from ...pycaffe import io as cio
+from .batcher import Batcher, Overloaded
+from .metrics import Metrics
+
+log = logging.getLogger("brewnet")
+IMAGE_TYPES = {"image/jpeg", "image/png"}
+# Smaller uploads decode on the event loop: a thread hand-off costs more than their decoding.
+INLINE_DECODE = 64 << 10
+
+
+class Reject(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Limits:
+    max_body: int = 20 << 20          # bytes
+    max_pixels: int = 40_000_000      # width x height of an uploaded image
+    timeout_s: float = 10.0           # per request, queueing included
+    max_queue: int = 256
+
+
+class Model:
+    """The traced module with its input transform and labels."""
+
+    def __init__(self, module, input_name, input_shape, transformer, image_dims, labels, top_k, name):
+        self.module, self.input_name, self.input_shape = module, input_name, tuple(input_shape)
+        self.transformer = transformer
+        self.image_dims, self.labels, self.top_k, self.name = image_dims, labels, top_k, name
+
+    def prepare_image(self, body: bytes, max_pixels: int) -> np.ndarray:
+        from PIL import Image
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")          # PIL's decompression-bomb warning
+                w, h = Image.open(_io.BytesIO(body)).size   # the header only
+        except Exception:  # noqa: BLE001
+            raise Reject(400, "the body is not a readable JPEG or PNG image (truncated or corrupt?)") from None
+        if w * h > max_pixels:
+            raise Reject(413, f"the image has {w}x{h} = {w * h} pixels; the limit is {max_pixels}")
+        if body[:2] == b"\xff\xd8" and b"\xff\xd9" not in body[-64:]:
+            raise Reject(400, "the JPEG is truncated (no end-of-image marker)")
+        try:
+            im = cio.decode_image(body, color=self.input_shape[0] != 1)
+        except OSError:
+            raise Reject(400, "the image could not be decoded (truncated or corrupt)") from None
+        im = cio.resize_image(im, self.image_dims)
+        ch, cw = self.input_shape[1:]
+        top, left = (self.image_dims[0] - ch) // 2, (self.image_dims[1] - cw) // 2
+        im = im[top:top + ch, left:left + cw]
+        return self.transformer.preprocess(self.input_name, im).astype(np.float32)
+
+    def prepare_json(self, body: bytes) -> np.ndarray:
+        try:
+            x = np.asarray(json.loads(body), dtype=np.float32)
+        except (ValueError, TypeError):
+            raise Reject(422, "the JSON body must be a nested array of numbers") from None
+        if x.shape != self.input_shape:
+            raise Reject(422, f"the JSON array has shape {list(x.shape)}; this net takes one "
+                              f"input of shape {list(self.input_shape)} (C, H, W)")
+        return x
+
+    def answer(self, scores: np.ndarray) -> dict:
+        order = np.argsort(-scores, kind="stable")[:self.top_k]
+        return {"model": self.name, "top": [
+            {"index": int(i), "label": self.labels[i] if i < len(self.labels) else str(int(i)),
+             "score": float(scores[i])} for i in order]}
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    n = request.headers.get("content-length")
+    if n is not None and n.isdigit() and int(n) > limit:
+        raise Reject(413, f"the body is {n} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise Reject(413, f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(model: Model, limits: Limits, max_batch: int, max_delay_s: float,
+               fixed_batch: int | None = None) -> FastAPI:
+    metrics = Metrics(max_batch)
+    batcher = Batcher(model.module, max_batch, max_delay_s, limits.max_queue, metrics, fixed_batch)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        batcher.start()
+        log.info("Serving '%s': batches of up to %d, %.1f ms delay", model.name, max_batch,
+                 max_delay_s * 1e3)
+        yield
+        await batcher.stop()     # uvicorn has finished the requests in flight by now
+        log.info("Stopped serving '%s'", model.name)
+
+    app = FastAPI(title="brewnet serve", lifespan=lifespan)
+    app.state.metrics = metrics
+
+    async def predict_one(request: Request) -> dict:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype not in IMAGE_TYPES | {"application/json"}:
+            raise Reject(415, f"content type '{ctype or '(none)'}' is not accepted; send "
+                              "image/jpeg, image/png or application/json")
+        body = await _body(request, limits.max_body)
+        if not body:
+            raise Reject(400, "the body is empty")
+        if ctype == "application/json":
+            x = model.prepare_json(body)
+        else:
+            x = (model.prepare_image(body, limits.max_pixels) if len(body) < INLINE_DECODE else
+                 await asyncio.to_thread(model.prepare_image, body, limits.max_pixels))
+        return model.answer(await batcher.submit(x))
+
+    @app.post("/predict")
+    async def predict(request: Request):
+        t0 = time.perf_counter()
+        timeout = limits.timeout_s
+        hint = request.headers.get("x-timeout-ms", "")
+        if hint.isdigit():
+            timeout = min(timeout, int(hint) / 1e3)
+        batcher.arriving += 1
+        try:
+            resp = JSONResponse(await asyncio.wait_for(predict_one(request), timeout))
+        except Reject as e:
+            resp = JSONResponse({"error": str(e)}, e.code)
+        except Overloaded as e:
+            resp = JSONResponse({"error": f"overloaded: {e}"}, 503, headers={"Retry-After": "1"})
+        except asyncio.TimeoutError:
+            resp = JSONResponse({"error": f"the request took longer than its limit of {timeout:g} s"}, 503)
+        finally:
+            batcher.arriving -= 1
+        metrics.request(resp.status_code, time.perf_counter() - t0)
+        return resp
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok", "model": model.name, "input": list(model.input_shape)}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,131 @@
+"""brewnet serve as a user meets it: a server process on loopback, good and bad requests with
+the right codes while it keeps serving, and SIGTERM under load losing no accepted request."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+from PIL import Image  # noqa: E402
+
+from brewnet.net import Net  # noqa: E402
+
+from helpers import MODELS  # noqa: E402
+
+LENET = MODELS / "bvlc/examples/mnist/lenet.prototxt"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def png(w, h, mode="L") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, (w, h), 0).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def jpeg() -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve")
+    weights = d / "lenet.caffemodel"
+    Net(str(LENET)).save(str(weights))          # the fillers' weights, as a real caffemodel
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "brewnet.cli", "serve", "--model", str(LENET),
+                             "--weights", str(weights), "--port", str(port), "--max-batch", "8",
+                             "--max-delay-ms", "5"], env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stderr.read()
+    yield url, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def post(url, body, ctype, **headers):
+    return httpx.post(url + "/predict", content=body, headers={"content-type": ctype, **headers}, timeout=60)
+
+
+def test_good_and_bad_requests(server):
+    url, _ = server
+    r = post(url, png(40, 30), "image/png")
+    assert r.status_code == 200 and len(r.json()["top"]) == 5
+    assert abs(sum(t["score"] for t in r.json()["top"]) - 1) < 0.5
+    x = np.zeros((1, 28, 28)).tolist()
+    assert post(url, __import__("json").dumps(x), "application/json").status_code == 200
+    bad = {
+        "wrong content type": (b"hello", "text/plain", 415, "content type"),
+        "truncated JPEG": (jpeg()[:400], "image/jpeg", 400, "truncated"),
+        "100-megapixel PNG": (png(10000, 10000), "image/png", 413, "pixels"),
+        "empty body": (b"", "image/png", 400, "empty"),
+        "JSON of the wrong shape": (b"[[1, 2], [3, 4]]", "application/json", 422, "shape"),
+        "not JSON": (b"[1, 2", "application/json", 422, "JSON"),
+    }
+    for what, (body, ctype, code, word) in bad.items():
+        r = post(url, body, ctype)
+        assert (r.status_code, word in r.json()["error"]) == (code, True), (what, r.text)
+    r = post(url, png(28, 28), "image/png", **{"x-timeout-ms": "1"})   # past its time limit
+    assert r.status_code == 503 and "limit" in r.json()["error"]
+    assert post(url, jpeg(), "image/jpeg").status_code == 200          # still serving
+    m = httpx.get(url + "/metrics").text
+    assert 'brewnet_requests_total{code="415"} 1' in m and "brewnet_batch_size_count" in m
+    assert "brewnet_request_seconds_bucket" in m
+
+
+def test_sigterm_under_load_loses_no_accepted_request(server):
+    url, proc = server
+    body = png(28, 28)
+    results, lock = [], threading.Lock()
+
+    def client():   # a connection per request: an idle keep-alive one closed at shutdown is no loss
+        for _ in range(40):
+            with httpx.Client(timeout=60) as c:
+                try:
+                    code = c.post(url + "/predict", content=body, headers={"content-type": "image/png"}).status_code
+                except httpx.ConnectError:
+                    code = "refused"          # not accepted: the server had stopped listening
+                except httpx.HTTPError as e:
+                    code = type(e).__name__   # accepted, then lost
+                with lock:
+                    results.append(code)
+                if code == "refused":
+                    return
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for t in threads:
+        t.start()
+    while len(results) < 40:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(120)
+    assert proc.wait(60) in (0, -signal.SIGTERM)   # uvicorn re-raises SIGTERM once drained
+    assert "Finished server process" in proc.stderr.read()
+    assert set(results) <= {200, "refused"}, sorted(set(map(str, results)))
+    assert results.count(200) >= 40
