@@ -3,8 +3,9 @@ responds.
 
 For a C x h x w feature blob F of one image: w_c = (max F_c - mean F_c)^2, heatmap = sum_c w_c
 F_c (channels that stand out weigh most), resized bilinearly to the network input. ``images``
-gives the inputs as a person sees them: a data layer's transform undone (data / scale + mean),
-or, for a deploy net fed files, pycaffe's Transformer undone; BGR becomes RGB.
+gives the inputs as a person sees them: a data layer's transform undone (data / scale + mean);
+BGR becomes RGB. (Image files through a deploy net: ``brewnet heatmap --images``, which prepares
+them with pycaffe's Transformer.)
 """
 from __future__ import annotations
 
@@ -61,32 +62,6 @@ def from_net(net, blob: str, iterations: int):
             feats = net.blobs[blob].tensor.float().cpu().numpy()
             for x, f in zip(data, feats):
                 yield undo_transform(x, tp), heatmap(f, x.shape[1:])
-
-
-def from_files(net, blob: str, paths, mean=None, raw_scale: float = 255.0, channel_swap=(2, 1, 0)):
-    """Yield (RGB image, heatmap) for image files through a deploy net, prepared as pycaffe's
-    classify.py does (resize to the input, RGB->BGR, [0, 255], per-channel mean subtracted)."""
-    from ..pycaffe import io
-
-    name = net.inputs[0]
-    shape = net.blobs[name].shape
-    t = io.Transformer({name: (1,) + tuple(shape[1:])})
-    t.set_transpose(name, (2, 0, 1))
-    if shape[1] == 3:
-        t.set_channel_swap(name, channel_swap)
-    t.set_raw_scale(name, raw_scale)
-    if mean is not None:
-        t.set_mean(name, np.asarray(mean, np.float32))
-    for path in paths:
-        img = io.load_image(str(path), color=shape[1] == 3)
-        x = t.preprocess(name, img)
-        net.blobs[name].reshape(1, *x.shape)
-        net.blobs[name].data[...] = x
-        with torch.no_grad():
-            net.forward_tensors()
-        f = net.blobs[blob].tensor.float().cpu().numpy()[0]
-        shown = (io.resize_image(img, shape[2:]) * 255).clip(0, 255).astype(np.uint8)
-        yield (shown if shown.ndim == 2 or shown.shape[2] == 3 else shown[:, :, 0]), heatmap(f, shape[2:])
 
 
 def save_pictures(pairs, out: Path, blob: str) -> list[Path]:

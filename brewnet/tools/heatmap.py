@@ -34,7 +34,7 @@ def run(args) -> int:
     try:
         from .. import runtime
         from ..analysis.features import check_blobs
-        from ..analysis.heatmap import from_files, from_net, save_pictures
+        from ..analysis.heatmap import from_net, save_pictures
         from ..net import Net
         from ..proto import caffe_pb2 as pb
         from ..weights import load_weights
@@ -62,3 +62,33 @@ def run(args) -> int:
         return report(COMMAND, e)
     log.info("Wrote %d pictures to %s", len(written), args.out)
     return 0
+
+
+def from_files(net, blob: str, paths, mean=None, raw_scale: float = 255.0, channel_swap=(2, 1, 0)):
+    """Yield (RGB image, heatmap) for image files through a deploy net, prepared as pycaffe's
+    classify.py does (resize to the input, RGB->BGR, [0, 255], per-channel mean subtracted)."""
+    import numpy as np
+    import torch
+
+    from ..analysis.heatmap import heatmap
+    from ..pycaffe import io
+
+    name = net.inputs[0]
+    shape = net.blobs[name].shape
+    t = io.Transformer({name: (1,) + tuple(shape[1:])})
+    t.set_transpose(name, (2, 0, 1))
+    if shape[1] == 3:
+        t.set_channel_swap(name, channel_swap)
+    t.set_raw_scale(name, raw_scale)
+    if mean is not None:
+        t.set_mean(name, np.asarray(mean, np.float32))
+    for path in paths:
+        img = io.load_image(str(path), color=shape[1] == 3)
+        x = t.preprocess(name, img)
+        net.blobs[name].reshape(1, *x.shape)
+        net.blobs[name].data[...] = x
+        with torch.no_grad():
+            net.forward_tensors()
+        f = net.blobs[blob].tensor.float().cpu().numpy()[0]
+        shown = (io.resize_image(img, shape[2:]) * 255).clip(0, 255).astype(np.uint8)
+        yield (shown if shown.ndim == 2 or shown.shape[2] == 3 else shown[:, :, 0]), heatmap(f, shape[2:])
