@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .geometry import receptive_fields
-from .heatmap import undo_transform
+from .heatmap import data_source, undo_transform
 
 TOP = 9
 
@@ -57,12 +57,11 @@ class TopPatches:
         return sorted(self.heaps[channel], key=lambda e: (-e[0], e[1]))
 
 
-def scan(net, blob: str, images: int) -> TopPatches:
-    """Run the TEST net over ``images`` images of its own data and keep each channel's top 9."""
+def scan(net, blob: str, images: int, progress=None) -> TopPatches:
+    """Run the TEST net over ``images`` images of its own data and keep each channel's top 9;
+    ``progress(n)`` is told after each batch how many images it added."""
     shape = net.shapes[blob]
-    src = next(i for i, b in enumerate(net.bottom_lists) if not b)
-    data_name = net.top_lists[src][0]
-    tp = net.layer_list[src].param.transform_param
+    data_name, tp = data_source(net)
     field = receptive_fields(net)[blob] if len(shape) == 4 else None
     if len(shape) == 4 and field is None:
         raise ValueError(f"blob '{blob}' has no receptive field on the input (see brewnet shapes)")
@@ -70,6 +69,7 @@ def scan(net, blob: str, images: int) -> TopPatches:
     with torch.no_grad():
         while top.seen < images:
             net.forward_tensors()
+            before = top.seen
             data = net.blobs[data_name].tensor.float().cpu().numpy()
             acts = net.blobs[blob].tensor.float().cpu().numpy()
             for x, a in zip(data, acts):
@@ -87,6 +87,8 @@ def scan(net, blob: str, images: int) -> TopPatches:
                         make = (lambda img=img: img.copy())
                     top.offer(c, float(flat[c, where[c]]), top.seen, make)
                 top.seen += 1
+            if progress is not None:
+                progress(top.seen - before)
     return top
 
 

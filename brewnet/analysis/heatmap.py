@@ -49,12 +49,16 @@ def _to_rgb(chw: np.ndarray) -> np.ndarray:
     return (img[:, :, ::-1] if img.shape[2] == 3 else img[:, :, 0]).astype(np.uint8)
 
 
+def data_source(net) -> tuple[str, object]:
+    """The net's first data layer's image blob and its transform_param."""
+    i = next(i for i, b in enumerate(net.bottom_lists) if not b)
+    return net.top_lists[i][0], net.layer_list[i].param.transform_param
+
+
 def from_net(net, blob: str, iterations: int):
     """Yield (RGB image, heatmap) for every image of ``iterations`` batches of the net's own
     TEST data (its first data layer's transform is undone for display)."""
-    src = next(l for l in net.layer_list if not net.bottom_lists[net.layer_list.index(l)])
-    tp = src.param.transform_param
-    data_name = net.top_lists[net.layer_list.index(src)][0]
+    data_name, tp = data_source(net)
     with torch.no_grad():
         for _ in range(iterations):
             net.forward_tensors()

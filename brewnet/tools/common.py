@@ -94,6 +94,22 @@ def single_device(spec: str, command: str):
     return torch.device("cuda", gpus[0])
 
 
+def trained_net(args, command: str):
+    """The TEST net of ``--model`` (with ``--level``/``--stage`` when the command has them) on
+    ``--gpu``'s device, its ``--weights`` loaded; a file matching no layer is an error."""
+    from .. import runtime
+    from ..net import Net
+    from ..proto import caffe_pb2 as pb
+    from ..weights import load_weights
+
+    device = single_device(args.gpu, command)
+    runtime.configure(device)
+    net = Net(args.model, pb.TEST, level=getattr(args, "level", 0),
+              stages=stages(getattr(args, "stage", "")), device=device)
+    load_weights(net, args.weights, require_match=True)   # another net's file is an error
+    return net
+
+
 def prefetching_layers(net) -> list:
     """The net's data layers that fill their batches in a background thread."""
     from ..data.source import Prefetching

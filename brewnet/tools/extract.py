@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from .common import (USER_ERRORS, add_gpu_flag, add_net_state_flags, progress_bar, report,
-                     single_device, size_threads, stages)
+                     size_threads, trained_net)
 
 COMMAND = "extract"
 HELP = "extract features: write chosen blobs of N test batches to .npy, .h5, .lmdb or .txt"
@@ -35,19 +35,12 @@ def run(args) -> int:
         return report(COMMAND, f"--iterations must be at least 1, got {args.iterations}")
     writer = None
     try:
-        from .. import runtime
         from ..analysis.features import FeatureWriter, batches, check_blobs
-        from ..net import Net
-        from ..proto import caffe_pb2 as pb
-        from ..weights import load_weights
 
-        device = single_device(args.gpu, COMMAND)
-        runtime.configure(device)
-        net = Net(args.model, pb.TEST, level=args.level, stages=stages(args.stage), device=device)
+        net = trained_net(args, COMMAND)
         blobs = [b for b in args.blobs.split(",") if b]
         check_blobs(net, blobs)
         size_threads(net)
-        load_weights(net, args.weights, require_match=True)
         batch = net.blobs[blobs[0]].shape[0]
         writer = FeatureWriter(args.out, blobs, args.iterations * batch)
         log.info("Extracting features of %d batches of %d", args.iterations, batch)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .common import USER_ERRORS, add_gpu_flag, report, single_device
+from .common import USER_ERRORS, add_gpu_flag, progress_bar, report, trained_net
 
 COMMAND = "filters"
 HELP = "show what each channel of a blob responds to: its 9 strongest input patches"
@@ -30,22 +30,16 @@ def run(args) -> int:
     if args.images < 1:
         return report(COMMAND, f"--images must be at least 1, got {args.images}")
     try:
-        from .. import runtime
         from ..analysis.features import check_blobs
         from ..analysis.filters import save_grids, scan
-        from ..net import Net
-        from ..proto import caffe_pb2 as pb
-        from ..weights import load_weights
 
-        device = single_device(args.gpu, COMMAND)
-        runtime.configure(device)
-        net = Net(args.model, pb.TEST, device=device)
+        net = trained_net(args, COMMAND)
         check_blobs(net, [args.blob])
         if not any(not b for b in net.bottom_lists) or net.inputs:
             raise ValueError(f"{args.model}: filters scans the net's own TEST data; it needs a data "
                              "layer (Data, ImageData, HDF5Data...), not Input blobs")
-        load_weights(net, args.weights, require_match=True)
-        top = scan(net, args.blob, args.images)
+        with progress_bar(args.images, desc="filters") as bar:
+            top = scan(net, args.blob, args.images, bar.update if bar is not None else None)
         written = save_grids(top, Path(args.out), args.blob)
     except USER_ERRORS as e:
         return report(COMMAND, e)

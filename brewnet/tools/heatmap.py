@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .common import USER_ERRORS, add_gpu_flag, report, single_device
+from .common import USER_ERRORS, add_gpu_flag, report, trained_net
 
 COMMAND = "heatmap"
 HELP = "draw where a blob responds in each image (owl's heatmaps): PNGs and a contact sheet"
@@ -32,21 +32,14 @@ def run(args) -> int:
 
     setup_logging()
     try:
-        from .. import runtime
         from ..analysis.features import check_blobs
         from ..analysis.heatmap import from_net, save_pictures
-        from ..net import Net
-        from ..proto import caffe_pb2 as pb
-        from ..weights import load_weights
 
-        device = single_device(args.gpu, COMMAND)
-        runtime.configure(device)
-        net = Net(args.model, pb.TEST, device=device)
+        net = trained_net(args, COMMAND)
         check_blobs(net, [args.blob])
         if len(net.shapes[args.blob]) != 4:
             raise ValueError(f"blob '{args.blob}' has shape {net.shapes[args.blob]}; a heatmap needs "
                              "an N x C x H x W blob (a convolution or pooling output)")
-        load_weights(net, args.weights, require_match=True)
         images = [s for s in args.images.split(",") if s]
         if images:
             if not net.inputs:

@@ -12,7 +12,7 @@ import logging
 
 import numpy as np
 
-from .common import USER_ERRORS, add_gpu_flag, add_net_state_flags, report, single_device, size_threads, stages
+from .common import USER_ERRORS, add_gpu_flag, add_net_state_flags, report, size_threads, trained_net
 
 COMMAND = "test"
 HELP = "score a model: run N test batches and average its outputs (Caffe's 'caffe test')"
@@ -62,17 +62,8 @@ def run(args) -> int:
     if args.iterations < 1:
         return report(COMMAND, f"--iterations must be at least 1, got {args.iterations}")
     try:
-        from .. import runtime
-        from ..net import Net
-        from ..proto import caffe_pb2 as pb
-
-        device = single_device(args.gpu, COMMAND)
-        runtime.configure(device)
-        net = Net(args.model, pb.TEST, level=args.level, stages=stages(args.stage), device=device)
+        net = trained_net(args, COMMAND)
         size_threads(net)
-        from ..weights import load_weights
-
-        load_weights(net, args.weights, require_match=True)   # another net's file is an error
         log.info("Running for %d iterations.", args.iterations)
         loss, results = score(net, args.iterations)
     except USER_ERRORS as e:
