@@ -9,6 +9,14 @@ tensors, per-layer steps), ``brewnet.to_torch`` (a net as one torch.fx graph), `
 """
 __version__ = "0.1.0"
 
+import os as _os  # noqa: E402
+import sys as _sys  # noqa: E402
+
+# Idle OpenMP threads sleep instead of spinning on cores a neighbour needs (brewnet/threads.py);
+# libgomp reads this once, when torch loads it, so it is set before brewnet imports torch.
+if "torch" not in _sys.modules and not _os.environ.get("OMP_WAIT_POLICY"):
+    _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
 from . import layers  # noqa: E402  (also NetSpec's L: layers.Convolution(...))
 from .data import layers as _data_layers  # noqa: E402,F401  (registers Data, ImageData, HDF5Data...)
 from .deploy import to_torch  # noqa: E402

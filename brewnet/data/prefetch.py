@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import atexit
 import math
-import os
 import queue
 import threading
 import time
 from typing import Callable
 
 import torch
+
+from .. import threads
+from ..threads import usable_cores  # noqa: F401  (re-exported: the cores this process may use)
 
 _STOP = object()
 
@@ -58,13 +60,6 @@ def stop_all(timeout: float = 60.0) -> None:
         _stop_thread(t, stop, q, deadline)
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:   # not Linux
-        return os.cpu_count() or 1
-
-
 def data_busy(nets, wall_s: float) -> float:
     """Cores the nets' prefetch threads kept busy over ``wall_s`` seconds of running them:
     the producers' busy time (``Prefetcher.produce_s``) / wall time."""
@@ -78,14 +73,14 @@ def plan_threads(data_busy: float = 1.0, apply: bool = True) -> int:
 
     A light producer (under a quarter of a core: raw LMDB records) shares the cores with
     torch; a heavier one (JPEG decoding) gets whole cores of its own, since an OpenMP team
-    that loses a core to a busy thread stalls at every barrier. Sets torch.set_num_threads
-    when ``apply``; returns the number.
+    that loses a core to a busy thread stalls at every barrier. With ``apply`` it becomes
+    the ceiling of brewnet's thread choice (``brewnet.threads``); returns the number.
     """
     cores = usable_cores()
     reserve = 0 if data_busy < 0.25 else math.ceil(data_busy)
     n = max(1, cores - reserve)
-    if apply and torch.get_num_threads() != n:
-        torch.set_num_threads(n)
+    if apply:
+        threads.set_ceiling(n)     # the most the per-net timing may use (brewnet/threads.py)
     return n
 
 

@@ -11,6 +11,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import net as core
+from .. import runtime, threads
 from ..blob import ParamBlob
 from ..net import NetError
 
@@ -43,10 +44,18 @@ class Net(core.Net):
             if tuple(value.shape) != blob.shape:
                 blob.reshape(*value.shape)
             blob.data[...] = value
-        self.forward_tensors(start, end)
+        with self._threads:
+            self.forward_tensors(start, end)
         i1 = self._index(end, len(self.layer_list) - 1)
         outs = self.top_lists[i1] if end is not None else self.outputs
         return {n: self.blobs[n].data for n in list(outs) + list(blobs or [])}
+
+    @functools.cached_property
+    def _threads(self) -> threads.Tuner:
+        # Repeated inference keeps its memory (steady latency: runtime.keep_freed_memory) and
+        # gets torch's threads chosen for this net (brewnet/threads.py).
+        runtime.configure(self.device, keep_memory=True)
+        return threads.Tuner(self)
 
     def backward(self, diffs=None, start=None, end=None, **top_diffs):
         """pycaffe's ``Net.backward``: optional output diffs by name; returns input diffs. Runs

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from .. import runtime
+from .. import runtime, threads
 from ..blob import diff_viewed
 from ..net import Net
 from ..proto import caffe_pb2 as pb
@@ -96,6 +96,7 @@ class Solver:
                         for t in self.net.learnable]
         self._pending_steps: list[tuple[torch.Tensor, torch.Tensor]] = []   # (diff, step)
         self._zero_history: set[int] = set()      # learnable indices whose history is all 0
+        self.threads = threads.Tuner(self.net)   # torch's threads for this net's steps
         log.info("Solver scaffolding done.")
 
     # -- hooks for update rules -------------------------------------------------------------
@@ -194,17 +195,18 @@ class Solver:
             for on_start, _ in self._callbacks:
                 on_start and on_start()
             display = p.display and self.iter % p.display == 0
-            self.loss = self._forward_backward()
-            self._update_smoothed_loss(self.loss, start_iter)
-            if display:
-                lapse = time.perf_counter() - tic
-                log.info("Iteration %d (%g iter/s, %gs/%d iters), loss = %g", self.iter,
-                         (self.iter - last) / (lapse or 1), lapse, p.display, self.smoothed_loss)
-                tic, last = time.perf_counter(), self.iter
-                self._log_outputs(self.net, "Train", {n: self.net.blobs[n].tensor for n in self.net.outputs})
-            for _, on_gradients in self._callbacks:
-                on_gradients and on_gradients()
-            self.apply_update(display, store_step=False)
+            with self.threads:           # times the iteration for the thread choice
+                self.loss = self._forward_backward()
+                self._update_smoothed_loss(self.loss, start_iter)
+                if display:
+                    lapse = time.perf_counter() - tic
+                    log.info("Iteration %d (%g iter/s, %gs/%d iters), loss = %g", self.iter,
+                             (self.iter - last) / (lapse or 1), lapse, p.display, self.smoothed_loss)
+                    tic, last = time.perf_counter(), self.iter
+                    self._log_outputs(self.net, "Train", {n: self.net.blobs[n].tensor for n in self.net.outputs})
+                for _, on_gradients in self._callbacks:
+                    on_gradients and on_gradients()
+                self.apply_update(display, store_step=False)
             self.iter += 1
             request = self._take_request()
             if (p.snapshot and self.iter % p.snapshot == 0) or request == "snapshot":

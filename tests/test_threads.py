@@ -1,0 +1,134 @@
+"""Torch's thread choice (brewnet/threads.py): tiny nets on one thread, measured choice for the
+rest, and the user's override winning."""
+import numpy as np
+import pytest
+import torch
+
+import brewnet
+from brewnet import threads
+from brewnet.proto import caffe_pb2 as pb
+from brewnet.proto.io import parse_text
+
+
+def parse_net_text(text):
+    return parse_text(text, pb.NetParameter())
+
+
+LOGREG = """
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 10 dim: 4 } shape { dim: 10 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+        inner_product_param { num_output: 2 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+BIG = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 64 dim: 256 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+        inner_product_param { num_output: 512 weight_filler { type: "xavier" } } }
+"""
+
+
+@pytest.fixture(autouse=True)
+def fresh_policy(monkeypatch):
+    """Each test starts as a fresh process: no override, brewnet has set nothing yet."""
+    n = torch.get_num_threads()
+    monkeypatch.delenv("BREWNET_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "_initial", n)
+    monkeypatch.setattr(threads, "_ours", [])
+    monkeypatch.setattr(threads, "_ceiling", [])
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    yield
+    torch.set_num_threads(n)
+
+
+def solver(net_text: str):
+    p = pb.SolverParameter(base_lr=0.01, momentum=0.9, lr_policy="fixed", max_iter=10,
+                           solver_mode=pb.SolverParameter.CPU, random_seed=1)
+    p.net_param.CopyFrom(parse_net_text(net_text))
+    s = brewnet.SGDSolver(p)
+    s.net.blobs["data"].data[...] = np.random.default_rng(0).standard_normal((10, 4))
+    s.net.blobs["label"].data[...] = np.arange(10) % 2
+    return s
+
+
+def test_tiny_net_gets_one_thread_in_a_pycaffe_solver():
+    torch.set_num_threads(2)
+    threads._initial = 2
+    s = solver(LOGREG)
+    assert s.threads.tiny
+    s.step(2)
+    assert torch.get_num_threads() == 1
+
+
+def test_largest_op_decides_tiny():
+    net = brewnet.Net(parse_net_text(BIG), brewnet.TEST)
+    assert threads.largest_op_flops(net) == 2 * 64 * 256 * 512
+    assert not threads.Tuner(net).tiny
+
+
+def test_brewnet_threads_env_wins(monkeypatch):
+    monkeypatch.setenv("BREWNET_THREADS", "2")
+    s = solver(LOGREG)
+    s.step(2)
+    assert torch.get_num_threads() == 2
+    monkeypatch.setenv("BREWNET_THREADS", "zero")
+    with pytest.raises(ValueError, match="BREWNET_THREADS"):
+        threads.user_threads()
+
+
+def test_user_set_num_threads_wins():
+    s = solver(LOGREG)
+    s.step(1)
+    assert torch.get_num_threads() == 1         # brewnet's choice ...
+    torch.set_num_threads(2)                    # ... until the user makes one
+    s.step(3)
+    assert torch.get_num_threads() == 2
+    assert threads.user_threads() == 2
+
+
+class FakeClock:
+    """Calls take ``cost[threads]`` seconds."""
+
+    def __init__(self, cost):
+        self.now, self.cost = 0.0, cost
+
+    def __call__(self):
+        self.now += self.cost[torch.get_num_threads()] / 2   # read twice per call
+        return self.now
+
+
+@pytest.mark.parametrize("cost,expect", [({1: 1.0, 2: 3.0}, 1),     # a neighbour holds a core
+                                         ({1: 1.0, 2: 0.6}, 2)])    # idle: threads pay
+def test_measured_choice(monkeypatch, cost, expect):
+    net = brewnet.Net(parse_net_text(BIG), brewnet.TEST)
+    tuner = threads.Tuner(net)
+    monkeypatch.setattr(tuner, "clock", FakeClock(cost))
+    for _ in range(threads.WARMUP + 2 * threads.BLOCK + 1):
+        with tuner:
+            pass
+    assert tuner.choice == expect and torch.get_num_threads() == expect
+
+
+def test_slowdown_triggers_a_new_choice(monkeypatch):
+    net = brewnet.Net(parse_net_text(BIG), brewnet.TEST)
+    tuner = threads.Tuner(net)
+    clock = FakeClock({1: 1.0, 2: 0.6})
+    monkeypatch.setattr(tuner, "clock", clock)
+    for _ in range(threads.WARMUP + 2 * threads.BLOCK + 1):
+        with tuner:
+            pass
+    assert tuner.choice == 2
+    clock.cost = {1: 1.0, 2: 5.0}                # the neighbour arrives
+    for _ in range(4 * threads.BLOCK):
+        with tuner:
+            pass
+    assert tuner.choice == 1
+
+
+def test_pycaffe_forward_plans_threads():
+    torch.set_num_threads(2)
+    threads._initial = 2
+    net = brewnet.Net(parse_net_text(LOGREG), brewnet.TEST)
+    net.forward()
+    assert torch.get_num_threads() == 1
