@@ -1,6 +1,8 @@
 """Caffe's AdaGrad (``adagrad_solver.cpp``): h <- h + g^2; step = local_rate * g / (sqrt(h) + delta)."""
 from __future__ import annotations
 
+import torch
+
 from .base import SolverError, register
 from .sgd import SGDSolver
 
@@ -17,3 +19,11 @@ class AdaGradSolver(SGDSolver):
         h = self.history[i]
         h.addcmul_(grad, grad)
         grad.div_(h.sqrt().add_(float(self.param.delta))).mul_(local_rate)
+
+    def compute_updates(self, idx, params, grads, local_rate):
+        h = [self.history[i] for i in idx]
+        torch._foreach_addcmul_(h, grads, grads)
+        root = torch._foreach_sqrt(h)
+        torch._foreach_add_(root, float(self.param.delta))
+        torch._foreach_div_(grads, root)
+        torch._foreach_mul_(grads, local_rate)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 from .base import register
 from .sgd import SGDSolver
@@ -23,14 +24,32 @@ class AdamSolver(SGDSolver):
     history_sets = 2
     frozen_is_noop = False
 
-    def compute_update(self, i, param, grad, local_rate):
-        n = len(self.net.learnable)
-        m, v = self.history[i], self.history[n + i]
+    def _coefficients(self, local_rate):
         b1, b2 = f32(self.param.momentum), f32(self.param.momentum2)
         t = self.iter + 1
         # Caffe: pow(float, int) is a double; the correction is stored as a float.
         correction = f32(math.sqrt(1 - math.pow(float(b2), t)) / (1 - math.pow(float(b1), t)))
-        m.mul_(float(b1)).add_(grad, alpha=float(f32(1) - b1))
-        v.mul_(float(b2)).addcmul_(grad, grad, value=float(f32(1) - b2))
-        step_rate = float(f32(local_rate) * correction)
+        return float(b1), float(f32(1) - b1), float(b2), float(f32(1) - b2), \
+            float(f32(local_rate) * correction)
+
+    def compute_update(self, i, param, grad, local_rate):
+        n = len(self.net.learnable)
+        m, v = self.history[i], self.history[n + i]
+        b1, one_b1, b2, one_b2, step_rate = self._coefficients(local_rate)
+        m.mul_(b1).add_(grad, alpha=one_b1)
+        v.mul_(b2).addcmul_(grad, grad, value=one_b2)
         grad.copy_(m).div_(v.sqrt().add_(float(self.param.delta))).mul_(step_rate)
+
+    def compute_updates(self, idx, params, grads, local_rate):
+        n = len(self.net.learnable)
+        m, v = [self.history[i] for i in idx], [self.history[n + i] for i in idx]
+        b1, one_b1, b2, one_b2, step_rate = self._coefficients(local_rate)
+        torch._foreach_mul_(m, b1)
+        torch._foreach_add_(m, grads, alpha=one_b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, grads, grads, value=one_b2)
+        root = torch._foreach_sqrt(v)
+        torch._foreach_add_(root, float(self.param.delta))
+        torch._foreach_copy_(grads, m)
+        torch._foreach_div_(grads, root)
+        torch._foreach_mul_(grads, step_rate)

@@ -107,17 +107,46 @@ class Solver:
         """Turn ``grad`` (in place) into the step for learnable param ``i``."""
         raise NotImplementedError
 
+    def compute_updates(self, idx: list[int], params: list, grads: list, local_rate: float) -> None:
+        """``compute_update`` for several params sharing a rate, with ``torch._foreach_*`` ops
+        (one call per op instead of one per param and op; on the CPU they run the same
+        per-tensor kernels, so the numbers are the same). Default: one by one."""
+        for i, t, g in zip(idx, params, grads):
+            self.compute_update(i, t, g, local_rate)
+
+    foreach = True     # False: the per-param ops (the reference the fused forms are tested on)
+
+    def _foreach_ok(self) -> bool:
+        """Whether ``compute_updates`` is this rule's own: a subclass that overrides only
+        ``compute_update`` must not get its parent's fused form."""
+        mro = type(self).__mro__
+        one = next(c for c in mro if "compute_update" in c.__dict__)
+        many = next(c for c in mro if "compute_updates" in c.__dict__)
+        return self.foreach and mro.index(many) <= mro.index(one)
+
     def update_params(self, todo, l2: bool, store_step: bool) -> None:
         """Regularise, turn into steps and apply the diffs of ``todo``, a list of (index, param,
         diff, decay, local rate), in Caffe's order: diff += decay * (param or sign(param) for
-        L1); ``compute_update``; param -= diff. A rule may override this with a fused version
-        giving the same numbers; with ``store_step`` False it may defer leaving the step in the
-        diff to ``_store_steps`` (the loop clears the diffs before anyone else sees them)."""
+        L1); ``compute_update``; param -= diff; params sharing (decay, rate) in one group of
+        ``_foreach`` ops. A rule may override this with a fused version giving the same
+        numbers; with ``store_step`` False it may defer leaving the step in the diff to
+        ``_store_steps`` (the loop clears the diffs before anyone else sees them)."""
+        if not self._foreach_ok():
+            for i, t, g, decay, rate in todo:
+                if decay:
+                    g.add_(t if l2 else torch.sign(t), alpha=decay)
+                self.compute_update(i, t, g, rate)
+                t.sub_(g)
+            return
+        groups: dict[tuple[float, float], list] = {}
         for i, t, g, decay, rate in todo:
+            groups.setdefault((decay, rate), []).append((i, t, g))
+        for (decay, rate), items in groups.items():
+            idx, ts, gs = (list(x) for x in zip(*items))
             if decay:
-                g.add_(t if l2 else torch.sign(t), alpha=decay)
-            self.compute_update(i, t, g, rate)
-            t.sub_(g)
+                torch._foreach_add_(gs, ts if l2 else torch._foreach_sign(ts), alpha=decay)
+            self.compute_updates(idx, ts, gs, rate)
+            torch._foreach_sub_(ts, gs)
 
     def _store_steps(self) -> None:
         """Leave the steps an update deferred in the param diffs (Caffe's diffs hold the step)."""

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .base import register
 from .sgd import SGDSolver
@@ -18,3 +19,13 @@ class NesterovSolver(SGDSolver):
         prev = h.clone()
         h.mul_(m).add_(grad, alpha=local_rate)
         grad.copy_(h).mul_(float(np.float32(1) + np.float32(self.param.momentum))).sub_(prev, alpha=m)
+
+    def compute_updates(self, idx, params, grads, local_rate):
+        h = [self.history[i] for i in idx]
+        m = float(self.param.momentum)
+        prev = [x.clone() for x in h]
+        torch._foreach_mul_(h, m)
+        torch._foreach_add_(h, grads, alpha=local_rate)
+        torch._foreach_copy_(grads, h)
+        torch._foreach_mul_(grads, float(np.float32(1) + np.float32(self.param.momentum)))
+        torch._foreach_sub_(grads, prev, alpha=m)

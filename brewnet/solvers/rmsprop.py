@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .base import SolverError, register
 from .sgd import SGDSolver
@@ -25,3 +26,13 @@ class RMSPropSolver(SGDSolver):
         d = np.float32(self.param.rms_decay)
         h.mul_(float(d)).addcmul_(grad, grad, value=float(np.float32(1) - d))
         grad.div_(h.sqrt().add_(float(self.param.delta))).mul_(local_rate)
+
+    def compute_updates(self, idx, params, grads, local_rate):
+        h = [self.history[i] for i in idx]
+        d = np.float32(self.param.rms_decay)
+        torch._foreach_mul_(h, float(d))
+        torch._foreach_addcmul_(h, grads, grads, value=float(np.float32(1) - d))
+        root = torch._foreach_sqrt(h)
+        torch._foreach_add_(root, float(self.param.delta))
+        torch._foreach_div_(grads, root)
+        torch._foreach_mul_(grads, local_rate)

@@ -7,6 +7,8 @@ whenever the rate changes.
 """
 from __future__ import annotations
 
+import torch
+
 from .base import Solver, register
 from .fused import fused_sgd_matches, sgd_update
 
@@ -20,11 +22,17 @@ class SGDSolver(Solver):
         h.mul_(float(self.param.momentum)).add_(grad, alpha=local_rate)
         grad.copy_(h)
 
+    def compute_updates(self, idx, params, grads, local_rate):
+        h = [self.history[i] for i in idx]
+        torch._foreach_mul_(h, float(self.param.momentum))
+        torch._foreach_add_(h, grads, alpha=local_rate)
+        torch._foreach_copy_(grads, h)
+
     def update_params(self, todo, l2, store_step):
         # L2 decay with momentum on the CPU: one fused pass (fused.py), the same numbers.
         momentum = float(self.param.momentum)
         if (type(self).compute_update is not SGDSolver.compute_update or not l2 or momentum == 0
-                or not fused_sgd_matches()):
+                or not self.foreach or not fused_sgd_matches()):
             return super().update_params(todo, l2, store_step)
         rest, pending = sgd_update(todo, self.history, momentum)
         self._pending_steps += pending
