@@ -33,6 +33,8 @@ def _fit(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
 
 
 class Blob:
+    _pending = None     # lean inference (brewnet/lean.py): brings a stale blob up to date
+
     def __init__(self, tensor: torch.Tensor, diff: torch.Tensor | None = None):
         self._t = tensor
         self._d = torch.zeros_like(tensor) if diff is None else diff
@@ -44,6 +46,8 @@ class Blob:
     # -- torch side -------------------------------------------------------------------------
     @property
     def tensor(self) -> torch.Tensor:
+        if self._pending is not None:
+            self._pending()
         self._sync_to_device("data")
         return self._t
 
@@ -117,6 +121,8 @@ class Blob:
         self._owned[which] = True
 
     def _view(self, which: str) -> np.ndarray:
+        if self._pending is not None:
+            self._pending()
         self._own(which)
         t = (self._t if which == "data" else self._d).detach()
         if t.device.type == "cpu":

@@ -60,3 +60,95 @@ def test_subclass_overriding_compute_update_keeps_it():
     p.net_param.CopyFrom(parse_text(NET, pb.NetParameter()))
     s = Halved(p)
     assert not s._foreach_ok()
+
+
+DEPLOY = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 10 dim: 10 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "xavier" }
+                            bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" batch_norm_param { use_global_stats: true } }
+layer { name: "sc1" type: "Scale" bottom: "conv1" top: "conv1" scale_param { bias_term: true } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool1" top: "ip1"
+        inner_product_param { num_output: 6 weight_filler { type: "xavier" } } }
+layer { name: "prob" type: "Softmax" bottom: "ip1" top: "prob" }
+"""
+
+
+def deploy_net():
+    brewnet.set_random_seed(5)
+    net = brewnet.Net(parse_text(DEPLOY, pb.NetParameter()), brewnet.TEST)
+    rng = np.random.default_rng(1)
+    bn = net.params["bn1"]
+    bn[0].data[...] = rng.standard_normal(4) * 0.1
+    bn[1].data[...] = rng.random(4) + 0.5
+    bn[2].data[...] = 1
+    net.params["sc1"][0].data[...] = rng.random(4) + 0.5
+    return net
+
+
+@pytest.fixture
+def lean_soon(monkeypatch):
+    from brewnet import lean
+
+    monkeypatch.setattr(lean, "AFTER", 1)
+    monkeypatch.delenv("BREWNET_LEAN", raising=False)
+
+
+def plain_forward(net, x, monkeypatch, blobs=()):
+    with monkeypatch.context() as m:
+        m.setenv("BREWNET_LEAN", "0")
+        return {k: v.copy() for k, v in net.forward(blobs=list(blobs), data=x).items()}
+
+
+def test_lean_forward_matches_and_keeps_blob_semantics(lean_soon, monkeypatch):
+    net = deploy_net()
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal((2, 3, 10, 10)).astype(np.float32) for _ in range(4)]
+    ref = [plain_forward(net, x, monkeypatch, ["conv1", "pool1", "ip1"]) for x in xs]
+    net.forward(data=xs[0])                         # counted
+    out = net.forward(data=xs[1])["prob"]           # traced, then run as one graph
+    assert net._lean.gm is not None and net._lean._stale
+    # Within float32 rounding of the plain path (the graph may choose other kernels).
+    np.testing.assert_allclose(out, ref[1]["prob"], rtol=1e-5, atol=1e-7)
+    # An intermediate read after a lean forward shows that forward's values, even when the
+    # input blob was written since: the plain path runs on the inputs the graph saw.
+    net.blobs["data"].data[...] = 0
+    for name in ("conv1", "pool1", "ip1"):
+        np.testing.assert_array_equal(net.blobs[name].data, ref[1][name])
+    # A live view of an intermediate blob follows each forward: the plain path serves it.
+    view = net.blobs["ip1"].data
+    net.forward(data=xs[2])
+    np.testing.assert_array_equal(view, ref[2]["ip1"])
+    assert not net._lean._stale
+    # Writing an intermediate blob and running the rest of the net uses what was written.
+    view[...] = 0
+    tail = net.forward(start="prob")["prob"]
+    np.testing.assert_allclose(tail, np.full((2, 6), 1 / 6, np.float32), rtol=1e-6)
+    del view, tail
+    net.forward(data=xs[3])
+    out = net.forward(data=xs[3])["prob"]
+    assert net._lean._stale                          # back on the graph
+    np.testing.assert_allclose(out, ref[3]["prob"], rtol=1e-5, atol=1e-7)
+
+
+def test_lean_forward_sees_net_surgery(lean_soon, monkeypatch):
+    net = deploy_net()
+    x = np.random.default_rng(3).standard_normal((2, 3, 10, 10)).astype(np.float32)
+    for _ in range(3):
+        net.forward(data=x)
+    assert net._lean.gm is not None
+    net.params["ip1"][0].data[...] *= 2             # an unfolded layer's weights
+    net.params["sc1"][0].data[...] *= 3             # and a folded chain's
+    got = net.forward(data=x)["prob"].copy()
+    np.testing.assert_allclose(got, plain_forward(net, x, monkeypatch)["prob"], rtol=1e-5, atol=1e-7)
+
+
+def test_nets_that_need_backward_stay_plain(lean_soon):
+    net = brewnet.Net(parse_text(DEPLOY.replace('type: "Softmax"', 'type: "Softmax" loss_weight: 1'),
+                                 pb.NetParameter()), brewnet.TEST)
+    for _ in range(3):
+        net.forward()
+    assert net._lean.gm is None

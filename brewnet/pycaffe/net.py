@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import net as core
 from .. import runtime, threads
+from ..lean import LeanForward
 from ..blob import ParamBlob
 from ..net import NetError
 
@@ -44,11 +45,20 @@ class Net(core.Net):
             if tuple(value.shape) != blob.shape:
                 blob.reshape(*value.shape)
             blob.data[...] = value
+        whole = start is None and end is None
         with self._threads:
-            self.forward_tensors(start, end)
+            if not (whole and not blobs and self._lean.run()):
+                if not whole:
+                    self._lean.settle()      # a partial pass reads what the graph did not write
+                self._lean.drop()
+                self.forward_tensors(start, end)
         i1 = self._index(end, len(self.layer_list) - 1)
         outs = self.top_lists[i1] if end is not None else self.outputs
         return {n: self.blobs[n].data for n in list(outs) + list(blobs or [])}
+
+    @functools.cached_property
+    def _lean(self) -> LeanForward:
+        return LeanForward(self)
 
     @functools.cached_property
     def _threads(self) -> threads.Tuner:
