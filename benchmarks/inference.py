@@ -1,10 +1,14 @@
 """Inference speed: brewnet vs OpenCV's dnn Caffe importer, same nets, same run, same threads.
 
-    python benchmarks/inference.py [--threads 2] [--repeats 20]
+    python benchmarks/inference.py [--threads 0] [--repeats 30]
 
 Prints ms per image at batch 1 and 16 for open_nsfw (real weights), LeNet (real weights) and
-CaffeNet (random weights written to a temporary .caffemodel by brewnet), and brewnet/OpenCV.
-Runs are interleaved and the median is taken, since these machines are shared and noisy.
+CaffeNet (random weights written to a temporary .caffemodel by brewnet), brewnet/OpenCV, and
+p90/p50 of brewnet's calls (steadiness). brewnet runs as a user's script does: plain
+``caffe.Net(...).forward()``, its own thread choice (``--threads 0``; N fixes both sides to N),
+after warm-up calls (the 11th whole forward is where a net becomes one graph: brewnet/lean.py).
+OpenCV gets the usable cores. Runs are interleaved and the median is taken, since these
+machines are shared and noisy.
 """
 from __future__ import annotations
 
@@ -34,17 +38,21 @@ NETS = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=0, help="0: brewnet's choice, OpenCV all cores")
+    ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--nets", default=",".join(NETS))
     args = ap.parse_args()
     import cv2
 
-    torch.set_num_threads(args.threads)
-    cv2.setNumThreads(args.threads)
+    from brewnet.threads import usable_cores
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cv2.setNumThreads(args.threads or usable_cores())
     tmp = Path(tempfile.mkdtemp())
     print(f"threads={args.threads} repeats={args.repeats} torch={torch.__version__} opencv={cv2.__version__}")
-    print(f"{'net':<10} {'batch':>5} {'brewnet ms/img':>15} {'OpenCV ms/img':>14} {'ratio':>7}")
+    print(f"{'net':<10} {'batch':>5} {'brewnet ms/img':>15} {'OpenCV ms/img':>14} {'ratio':>7} "
+          f"{'p90/p50':>8} {'threads':>7}  load")
     for name in args.nets.split(","):
         proto, weights = NETS[name]
         proto = str(MODELS / proto)
@@ -69,12 +77,15 @@ def main() -> None:
                 cnet.setInput(x)
                 cnet.forward()
 
+            timed(run_brewnet, 12)                  # past the lean-inference trace
             tb, tc = [], []
             for _ in range(max(1, args.repeats // 5)):  # interleave to share the noise
                 tb += timed(run_brewnet, 5, warmup=1)
                 tc += timed(run_cv, 5, warmup=1)
             mb, mc = statistics.median(tb) * 1e3 / batch, statistics.median(tc) * 1e3 / batch
-            print(f"{name:<10} {batch:>5} {mb:>15.2f} {mc:>14.2f} {mb / mc:>7.2f}")
+            p90 = sorted(tb)[int(0.9 * (len(tb) - 1))] / statistics.median(tb)
+            print(f"{name:<10} {batch:>5} {mb:>15.2f} {mc:>14.2f} {mb / mc:>7.2f} {p90:>8.2f} "
+                  f"{torch.get_num_threads():>7}  {open('/proc/loadavg').read().split()[0]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -337,7 +337,7 @@ class Net:
                     ts = [self._input_value(n, cur) for n in self.top_lists[j]]
                     if grad:
                         self._ran[j] = ([], ts, True)
-        loss = torch.zeros((), device=self.device)
+        losses = []                             # (weight, loss top) of this pass
         chains = {} if grad else self._folder.chains
         with torch.set_grad_enabled(grad):
             i = i0 - 1
@@ -368,7 +368,17 @@ class Net:
                     self.blobs[name].write(t)
                     w = self._loss_weights.get(name)
                     if w:
-                        loss = loss + w * t.detach().sum()
+                        losses.append((w, t))
+        return self._weighted_loss(losses)
+
+    def _weighted_loss(self, losses) -> torch.Tensor:
+        """Sum of weight * top over the loss tops, 0-D. The usual single scalar loss of weight
+        1 is the top's own value (0 + 1 * x is x): no tensor ops for it."""
+        if len(losses) == 1 and losses[0][0] == 1 and losses[0][1].dim() == 0:
+            return losses[0][1].detach()
+        loss = torch.zeros((), device=self.device)
+        for w, t in losses:
+            loss = loss + w * t.detach().sum()
         return loss
 
     def _input_value(self, name: str, cur: dict) -> torch.Tensor:

@@ -125,7 +125,10 @@ class Tuner:
         net = self._net()
         if net is not None and net._input_shapes is not self._shapes:
             self._plan(net)
-        if self.off or user_threads() is not None:
+        fixed = user_threads()
+        if self.off or fixed is not None:
+            if fixed is not None and torch.get_num_threads() != fixed:
+                torch.set_num_threads(fixed)        # BREWNET_THREADS
             self._t0 = None
             return self
         n = self._trial[-1][0] if self._trial else self.choice

@@ -104,11 +104,15 @@ class HDF5Data(SourceLayer):
 
     def forward(self, bottoms):
         outs = [np.empty(s, np.float32) for s in self.shapes]
-        for i in range(self.batch_size):
-            row = self.row_order[self.current_row]
+        i = 0
+        while i < self.batch_size:      # runs of rows within the current file, one take each
+            n = min(self.batch_size - i, len(self.row_order) - self.current_row)
+            rows = self.row_order[self.current_row:self.current_row + n]
             for o, b in zip(outs, self.blobs_in_file):
-                o[i] = b[row]
-            self._next()
+                np.take(b, rows, axis=0, out=o[i:i + n])
+            self.current_row += n - 1
+            self._next()                # the last row of the run: wraps files as Caffe does
+            i += n
         return [torch.from_numpy(o).to(device=self.device, dtype=self.dtype) for o in outs]
 
 
