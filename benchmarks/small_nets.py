@@ -2,7 +2,7 @@
 neighbour, in a pycaffe script and through the CLI (issue 14).
 
     python benchmarks/small_nets.py [--nets logreg,ip,lenet] [--conditions idle,spin,brewnet]
-                                    [--paths pycaffe,cli] [--compile-probe]
+                                    [--paths pycaffe,cli] [--compile-probe] [--wait-policy-probe]
 
 Workloads (files written to a temporary folder):
 - logreg: Caffe's brewing-logreg net (HDF5Data batch 10 -> InnerProduct 2 -> Accuracy,
@@ -194,6 +194,25 @@ def compile_probe() -> None:
               f"{(time.perf_counter() - t) / 3000 * 1e6:7.1f} us/step", flush=True)
 
 
+def wait_policy_probe(folder: Path) -> None:
+    """LeNet's step with torch's threads fixed (BREWNET_THREADS): one thread, and two threads
+    under libgomp's default wait (OMP_WAIT_POLICY set but empty) and under PASSIVE (what
+    ``import brewnet`` sets), idle and beside a spinning neighbour."""
+    for cond in ("idle", "spin"):
+        row = []
+        for threads, policy in (("1", "PASSIVE"), ("2", ""), ("2", "PASSIVE")):
+            n = Neighbour(cond, folder, "lenet")
+            try:
+                env = dict(ENV, BREWNET_THREADS=threads, OMP_WAIT_POLICY=policy)
+                out = subprocess.run([sys.executable, __file__, "--worker", "lenet", "--folder",
+                                      str(folder)], capture_output=True, text=True, env=env, check=True)
+                ms = json.loads(out.stdout.strip().splitlines()[-1])["per_step_s"] * 1e3
+                row.append(f"{threads} thread(s) {policy or 'default'}: {ms:.1f} ms")
+            finally:
+                n.close()
+        print(f"wait-policy probe, LeNet step, {cond} (load {load()}): " + "; ".join(row), flush=True)
+
+
 def load() -> str:
     return Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
 
@@ -204,6 +223,7 @@ def main() -> None:
     ap.add_argument("--conditions", default="idle,spin,brewnet")
     ap.add_argument("--paths", default="pycaffe,cli")
     ap.add_argument("--compile-probe", action="store_true")
+    ap.add_argument("--wait-policy-probe", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -217,9 +237,11 @@ def main() -> None:
     conditions = args.conditions.split(",")
     print(f"cores={os.cpu_count()} load(1 min)={load()}; times: median rate (CLI) or one timed "
           "step(n) call (script)", flush=True)
+    if args.nets == "none":
+        args.nets = ""
     head = "".join(f"{c:>12}" for c in conditions)
     print(f"{'net':<7} {'path':<8} {'unit':<9}{head} {'worst/idle':>10} {'goal':>6}  load  real Caffe")
-    for name in args.nets.split(","):
+    for name in filter(None, args.nets.split(",")):
         steps, _, _, unit, goal, caffe = WORK[name]
         for path in args.paths.split(","):
             got, loads = {}, []
@@ -234,6 +256,8 @@ def main() -> None:
             worst = max(got.values()) / got["idle"] if "idle" in got else float("nan")
             print(f"{name:<7} {path:<8} {unit:<9}{vals} {worst:>10.2f} {goal:>6g}  "
                   f"{'/'.join(loads)}  {caffe}", flush=True)
+    if args.wait_policy_probe:
+        wait_policy_probe(folder)
     if args.compile_probe:
         compile_probe()
 

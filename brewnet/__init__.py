@@ -14,7 +14,7 @@ import sys as _sys  # noqa: E402
 
 # Idle OpenMP threads sleep instead of spinning on cores a neighbour needs (brewnet/threads.py);
 # libgomp reads this once, when torch loads it, so it is set before brewnet imports torch.
-if "torch" not in _sys.modules and not _os.environ.get("OMP_WAIT_POLICY"):
+if "torch" not in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 from . import layers  # noqa: E402  (also NetSpec's L: layers.Convolution(...))

@@ -9,9 +9,9 @@ The policy, for a Solver's training net (``Solver``) and a pycaffe ``Net``'s for
   ``RECHECK_S`` seconds, or at once when calls become 1.5x slower than when it chose. A busy
   neighbour process that takes a core makes the team stall at every barrier; the net then falls
   back to one thread and goes back when the core is free again.
-- **Passive waiting.** ``import brewnet`` before torch sets (``brewnet/__init__.py``) ``OMP_WAIT_POLICY=PASSIVE`` unless
-  the user set it: idle OpenMP threads then sleep instead of spinning on the cores a neighbour
-  (or the other brewnet process) needs. libgomp reads it once, when torch loads it, so a script
+- **Passive waiting.** ``import brewnet`` before torch sets ``OMP_WAIT_POLICY=PASSIVE``
+  (``brewnet/__init__.py``) unless the variable is set at all (even empty): idle OpenMP threads
+  then sleep instead of spinning on the cores a neighbour (or another brewnet process) needs. libgomp reads it once, when torch loads it, so a script
   that imports torch first keeps the spinning default (the timing above still protects it).
 - **Override.** ``BREWNET_THREADS=N`` fixes N threads and turns the timing off, as does
   ``OMP_NUM_THREADS`` or a ``torch.set_num_threads`` call by the user after brewnet was imported:
