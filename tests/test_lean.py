@@ -94,13 +94,24 @@ def lean_soon(monkeypatch):
     from brewnet import lean
 
     monkeypatch.setattr(lean, "AFTER", 1)
-    monkeypatch.delenv("BREWNET_LEAN", raising=False)
+    monkeypatch.setenv("BREWNET_LEAN", "1")
 
 
 def plain_forward(net, x, monkeypatch, blobs=()):
     with monkeypatch.context() as m:
         m.setenv("BREWNET_LEAN", "0")
         return {k: v.copy() for k, v in net.forward(blobs=list(blobs), data=x).items()}
+
+
+def test_lean_inference_is_opt_in(monkeypatch):
+    from brewnet import lean
+
+    monkeypatch.setattr(lean, "AFTER", 1)
+    monkeypatch.delenv("BREWNET_LEAN", raising=False)
+    net = deploy_net()
+    for _ in range(3):
+        net.forward()
+    assert net._lean.gm is None
 
 
 def test_lean_forward_matches_and_keeps_blob_semantics(lean_soon, monkeypatch):
