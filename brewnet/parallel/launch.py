@@ -107,6 +107,15 @@ def leave(watch: Watch | None) -> None:
         dist.destroy_process_group()
 
 
+_HOSTED: list = []      # stores this process hosts for its workers (NCCL.new_uid)
+
+
+def host_store(addr: str, port: int, timeout: float = 300.0) -> None:
+    """Serve a rendezvous store from this process until it ends."""
+    _HOSTED.append(dist.TCPStore(addr, port, None, is_master=True,
+                                 timeout=timedelta(seconds=timeout), wait_for_workers=False))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -31,3 +31,15 @@ def set_device(device_id: int) -> None:
     runtime.set_default_device(runtime._mode["gpu"], device_id)
     if runtime._mode["gpu"]:
         runtime.configure()
+
+
+def init_log() -> None:
+    """pycaffe's ``caffe.init_log()``: brewnet's log lines on stderr in glog's format."""
+    from ..analysis.glog import setup_logging
+
+    setup_logging()
+
+
+def log(message: str) -> None:
+    """pycaffe's ``caffe.log(msg)``: one INFO line."""
+    logging.getLogger("brewnet").info("%s", message)
