@@ -187,11 +187,12 @@ def test_brewnet_train_workers_and_torchrun(db, tmp_path):
     assert max_diff(weights(tmp_path / "run_iter_30.caffemodel"), ref) <= TOL
 
 
-def _kill_rank1_after(iteration):
+def _kill_rank1_after(iteration=0, file=None):
+    """Kill -9 rank 1 once its heartbeat reports ``iteration`` or once ``file`` exists."""
     def during(procs, store):
         deadline = time.monotonic() + 120
-        while beat(store, 1) < iteration and time.monotonic() < deadline:
-            time.sleep(0.02)
+        while (beat(store, 1) < iteration or (file and not file.exists())) and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.kill(procs[1].pid, signal.SIGKILL)
         during.killed_at = time.monotonic()
     return during
@@ -210,21 +211,21 @@ def test_a_killed_worker_stops_the_others_naming_it(db, tmp_path):
 
 
 def test_resume_auto_after_a_kill_ends_bitwise_as_the_uninterrupted_run(db, tmp_path):
-    args = dict(max_iter=80, snapshot=10, display=0)
+    args = dict(max_iter=120, snapshot=10, display=0)
     whole = solver(tmp_path / "whole", db, "w", B, **args)
     assert [c for c, _ in workers(2, ["train", "--solver", str(whole)], tmp_path / "l1")] == [0, 0]
     cut = solver(tmp_path / "cut", db, "w", B, **args)
     argv = ["train", "--solver", str(cut), "--resume", "auto", "--timeout", "20"]
-    (c0, _), _ = workers(2, argv, tmp_path / "l2", during=_kill_rank1_after(25))
+    (c0, _), _ = workers(2, argv, tmp_path / "l2", during=_kill_rank1_after(file=tmp_path / "cut" / "w_iter_20.solverstate"))
     assert c0 != 0
     done = sorted(int(p.name.split("_")[2].split(".")[0]) for p in (tmp_path / "cut").glob("w_iter_*.solverstate"))
-    assert done and 20 <= done[-1] < 80          # killed between snapshots, before the end
+    assert done and 20 <= done[-1] < 120         # killed between snapshots, before the end
     results = workers(2, argv, tmp_path / "l3")
     assert [c for c, _ in results] == [0, 0]
     assert f"resuming from {tmp_path / 'cut' / f'w_iter_{done[-1]}.solverstate'}" in results[0][1]
-    a, b = weights(tmp_path / "whole" / "w_iter_80.caffemodel"), weights(tmp_path / "cut" / "w_iter_80.caffemodel")
+    a, b = weights(tmp_path / "whole" / "w_iter_120.caffemodel"), weights(tmp_path / "cut" / "w_iter_120.caffemodel")
     assert all(np.array_equal(a[k], b[k]) for k in a)
-    sa, sb = (read_binary(str(tmp_path / d / "w_iter_80.solverstate"), pb.SolverState()) for d in ("whole", "cut"))
+    sa, sb = (read_binary(str(tmp_path / d / "w_iter_120.solverstate"), pb.SolverState()) for d in ("whole", "cut"))
     assert [list(h.data) for h in sa.history] == [list(h.data) for h in sb.history]
 
 

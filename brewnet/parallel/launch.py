@@ -74,7 +74,7 @@ def join(world: World, device: torch.device, timeout: float):
     except (RuntimeError, OSError) as e:
         raise RendezvousError(f"worker rank {world.rank}: cannot reach the rendezvous store at "
                               f"{world.where} within {timeout:g} s ({str(e).splitlines()[0]})") from None
-    store = dist.PrefixStore(f"brewnet/attempt_{world.attempt}/", store)
+    store = dist.PrefixStore(f"brewnet/attempt_{world.attempt}", store)
     store.set(f"brewnet/joined/{world.rank}", "1")
     backend = "nccl" if device.type == "cuda" else "gloo"
     try:
@@ -89,7 +89,7 @@ def join(world: World, device: torch.device, timeout: float):
             f"{timeout:g} s: {len(came)} of {world.size} workers joined (ranks {came}); start "
             f"the others, or check MASTER_ADDR/MASTER_PORT ({str(e).splitlines()[0][:160]})") from None
     log.info("Worker %d of %d joined at %s (%s)", world.rank, world.size, world.where, backend)
-    beat_store = dist.PrefixStore(f"brewnet/attempt_{world.attempt}/", _store(world, timeout, False))
+    beat_store = dist.PrefixStore(f"brewnet/attempt_{world.attempt}", _store(world, timeout, False))
     return Watch(beat_store, world.rank, world.size, world.where)
 
 
