@@ -13,7 +13,7 @@ import torch
 from .. import runtime
 from ..runtime import set_random_seed  # noqa: F401  (caffe.set_random_seed)
 
-log = logging.getLogger("brewnet")
+_log = logging.getLogger("brewnet")
 
 
 def set_mode_cpu() -> None:
@@ -22,7 +22,7 @@ def set_mode_cpu() -> None:
 
 def set_mode_gpu() -> None:
     if not torch.cuda.is_available():
-        log.warning("set_mode_gpu: CUDA is not available here; running on the CPU")
+        _log.warning("set_mode_gpu: CUDA is not available here; running on the CPU")
     runtime.set_default_device(True)
     runtime.configure()
 
@@ -42,4 +42,4 @@ def init_log() -> None:
 
 def log(message: str) -> None:
     """pycaffe's ``caffe.log(msg)``: one INFO line."""
-    logging.getLogger("brewnet").info("%s", message)
+    _log.info("%s", message)
