@@ -327,3 +327,31 @@ def test_a_rendezvous_that_never_completes_stops_in_bounded_time(db, tmp_path):
     assert "did not complete within 3 s: 1 of 2 workers joined (ranks [0])" in log, log[-2000:]
     assert "Traceback" not in log
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("kind", ["Data", "HDF5Data"])
+def test_a_shard_takes_the_running_indices_of_its_rank(tmp_path, kind):
+    # Caffe 1.0: the running index keeps counting across epochs, so with 10 records and 3
+    # workers rank 1 takes records 1, 4, 7, then 0 (index 10), 3, ...
+    import h5py
+
+    from brewnet.net import Net
+
+    if kind == "Data":
+        with open_writer(str(tmp_path / "db")) as w:
+            for i in range(10):
+                w.put(f"{i:08d}", chw_to_datum(np.zeros((1, 2, 2), np.uint8), i).SerializeToString())
+        layer = f'type: "Data" data_param {{ source: "{tmp_path / "db"}" batch_size: 4 backend: LMDB }}'
+    else:
+        with h5py.File(tmp_path / "d.h5", "w") as f:
+            f["data"], f["label"] = np.zeros((10, 1, 2, 2), np.float32), np.arange(10, dtype=np.float32)
+        (tmp_path / "list.txt").write_text(str(tmp_path / "d.h5"))
+        layer = f'type: "HDF5Data" hdf5_data_param {{ source: "{tmp_path / "list.txt"}" batch_size: 4 }}'
+    (tmp_path / "n.prototxt").write_text(f'layer {{ name: "d" top: "data" top: "label" {layer} }}')
+    got = {}
+    for phase in (pb.TRAIN, pb.TEST):
+        net = Net(str(tmp_path / "n.prototxt"), phase)
+        net.layer_list[0].shard(1, 3)
+        got[phase] = [int(x) for _ in range(3) for x in (net.forward_tensors(), net.blobs["label"].tensor)[1]]
+    assert got[pb.TRAIN] == [1, 4, 7, 0, 3, 6, 9, 2, 5, 8, 1, 4]
+    assert got[pb.TEST] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]      # Caffe tests on rank 0 unsharded

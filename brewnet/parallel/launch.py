@@ -60,6 +60,21 @@ class World:
         return f"{self.addr}:{self.port}"
 
 
+def plan(workers: int | None, gpus: list[int]) -> tuple["World | None", int]:
+    """(this process's World when it is a worker already, else None; how many workers to
+    start here: 0 for none) for ``--workers`` and the ``--gpu`` ids."""
+    if workers is not None and workers < 1:
+        raise ValueError(f"--workers {workers}: give 1 or more worker processes")
+    if workers is not None and gpus:
+        raise ValueError("--workers starts CPU workers; for GPUs give their ids with --gpu (one "
+                         "worker per device)")
+    world = World.from_env()
+    if world is not None:
+        return world, 0
+    n = workers or len(gpus)
+    return None, n if n > 1 else 0
+
+
 def _store(world: World, timeout: float, master: bool):
     return dist.TCPStore(world.addr, world.port, world.size, is_master=master,
                          timeout=timedelta(seconds=timeout), wait_for_workers=False)

@@ -9,6 +9,8 @@ workers meet over gloo, so the same script trains with CPU processes.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -62,6 +64,8 @@ class NCCL:
         if not 0 <= rank < count:
             raise ValueError(f"NCCL: solver rank {rank} is not in 0..{count - 1} (set_solver_rank/"
                              "set_solver_count)")
+        if rank:
+            logging.getLogger("brewnet").setLevel(logging.WARNING)   # Caffe logs from rank 0
         world = World(rank, count, rank, addr, int(port), agent_store=True)
         self.watch = join(world, solver.net.device, TIMEOUT_S)
         self.solver = solver

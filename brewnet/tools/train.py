@@ -70,23 +70,6 @@ def _solver_param(args):
     return param
 
 
-def _plan(args):
-    """(this worker's World or None, how many workers to spawn here: 0 for none)."""
-    from ..parallel import World
-
-    gpus = parse_gpus(args.gpu)
-    if args.workers is not None and args.workers < 1:
-        raise CLIError(f"--workers {args.workers}: give 1 or more worker processes")
-    if args.workers is not None and gpus:
-        raise CLIError("--workers starts CPU workers; for GPUs give their ids with --gpu (one "
-                       "worker per device)")
-    world = World.from_env()
-    if world is not None:
-        return world, 0
-    n = args.workers or len(gpus)
-    return None, n if n > 1 else 0
-
-
 def _child_argv(args) -> list[str]:
     argv = ["train", "--solver", args.solver, "--level", str(args.level), "--timeout", str(args.timeout),
             "--sigint_effect", args.sigint_effect, "--sighup_effect", args.sighup_effect]
@@ -128,7 +111,9 @@ def run(args) -> int:
     if args.resume and args.snapshot:
         return report(COMMAND, "--resume auto finds the snapshot itself; give it or --snapshot, not both.")
     try:
-        world, spawn = _plan(args)
+        from ..parallel import plan
+
+        world, spawn = plan(args.workers, parse_gpus(args.gpu))
     except USER_ERRORS as e:
         return report(COMMAND, e)
     if spawn:
@@ -161,11 +146,11 @@ def _train(args, holder, pending, world) -> int:
         from ..solvers import get_solver
         from ..solvers.snapshot import latest
 
+        if world is not None and world.rank:
+            log.setLevel(logging.WARNING)        # Caffe: LOG_IF(INFO, root_solver())
         param = _solver_param(args)
         device = _device(args, param, world)
         if world is not None:
-            if world.rank:
-                log.setLevel(logging.WARNING)    # Caffe: LOG_IF(INFO, root_solver())
             watch = join(world, device, args.timeout)
         for w in param.weights:
             log.info("Finetuning from %s", w)
