@@ -60,10 +60,9 @@ def write(path: str, iteration: int, ranks: list[dict]) -> None:
 
 
 def read(path: str, iteration: int) -> list[dict] | None:
-    """Every rank's cursors from ``path``, or None (with a note) when there is no file: a
-    snapshot Caffe or an older brewnet wrote; the data then restarts from the first record."""
+    """Every rank's cursors from ``path``, or None when there is no file: a snapshot Caffe or
+    an older brewnet wrote, or a net without data layers."""
     if not os.path.exists(path):
-        log.info("No data cursors at %s: the data restarts from the first record, as Caffe's", path)
         return None
     try:
         with open(path) as f:

@@ -423,7 +423,8 @@ class Solver:
         else:
             write_binary(model, net_to_proto(self.net, with_diff=p.snapshot_diff))
         path = self._filename(".solverstate.h5" if h5 else ".solverstate")
-        cursors.write(cursors.path_for(path), self.iter, ranks)
+        if any(ranks):              # a net with data layers that know their position
+            cursors.write(cursors.path_for(path), self.iter, ranks)
         state = ss.SolverStateData(self.iter, self.current_step, model,
                                    [h.detach().float().cpu().numpy() for h in self.history])
         log.info("Snapshotting solver state to %s file %s", "HDF5" if h5 else "binary proto", path)
@@ -452,6 +453,9 @@ class Solver:
         self._zero_history.clear()
         self._train_count = self.iter * self.param.iter_size
         self.restored_cursors = cursors.read(cursors.path_for(path), st.iter)
+        if self.restored_cursors is None and cursors.capture(self.net):
+            log.info("%s has no data cursors beside it: the data restarts from the first "
+                     "record, as Caffe's", path)
         if self.restored_cursors is not None and self.replicas is None:
             if len(self.restored_cursors) == 1:
                 cursors.apply(self.net, self.restored_cursors[0], path)
