@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import subprocess
 import sys
