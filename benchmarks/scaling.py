@@ -90,6 +90,8 @@ def main():
     ap.add_argument("--nets", default="LeNet,CIFAR10-quick,CaffeNet")
     ap.add_argument("--steps", type=int, default=0, help="timed steps (default: per net)")
     ap.add_argument("--batch", type=int, default=0, help="batch per worker (default: per net)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads per CPU worker (default: the cores split between them)")
     args = ap.parse_args()
     import torch
 
@@ -99,15 +101,17 @@ def main():
     gpus = parse_gpus(args.gpu)
     counts = list(range(1, len(gpus) + 1)) if gpus else [int(c) for c in args.workers.split(",")]
     cores = usable_cores()
+    split = f"{args.threads} torch thread(s) per worker" if args.threads else \
+        "torch threads split between the workers"
     where = (f"{len(gpus)} x {torch.cuda.get_device_name(gpus[0])}" if gpus
-             else f"CPU, {cores} cores, torch threads split between the workers")
+             else f"CPU, {cores} cores, {split}")
     print(f"# weak scaling, {where}; torch {torch.__version__}")
     print(f"{'net':14s} {'workers':>7s} {'batch/worker':>12s} {'ms/step':>9s} {'iter/s':>8s} "
           f"{'images/s':>9s} {'speed-up':>8s} {'efficiency':>10s}")
     for name in args.nets.split(","):
         base = None
         for n in counts:
-            threads = 1 if gpus else max(1, cores // n)
+            threads = 1 if gpus else (args.threads or max(1, cores // n))
             step_s, batch = run(name, n, args.steps or STEPS[name], gpus, threads, args.batch)
             ips = n * batch / step_s
             base = base or ips
