@@ -44,7 +44,7 @@ NETS = {
 }
 
 
-def brewnet_solver(solver_file: str, net_file: str, shape, batch: int):
+def brewnet_solver(solver_file: str, net_file: str, shape, batch: int, device=None):
     param = read_solver(MODELS / solver_file)
     net = read_net(MODELS / net_file)
     out = pb.NetParameter()
@@ -63,7 +63,7 @@ def brewnet_solver(solver_file: str, net_file: str, shape, batch: int):
     del param.test_iter[:]
     param.test_interval = param.display = param.snapshot = 0
     param.solver_mode = pb.SolverParameter.CPU
-    return SGDSolver(param)
+    return SGDSolver(param, device=device)
 
 
 class Plain(nn.Module):

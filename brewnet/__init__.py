@@ -30,6 +30,9 @@ from .pycaffe import coord_map, draw  # noqa: E402  (pycaffe's caffe.coord_map, 
 from .pycaffe import (AdaDeltaSolver, AdaGradSolver, AdamSolver, Classifier, NesterovSolver,  # noqa: E402
                       Net, NetSpec, RMSPropSolver, SGDSolver, get_solver, io, params, set_device,
                       set_mode_cpu, set_mode_gpu, set_random_seed, to_proto)
+from .pycaffe import (NCCL, has_nccl, set_multiprocess, set_solver_count, set_solver_rank,  # noqa: E402
+                      solver_count, solver_rank)
+from .pycaffe import init_log, log  # noqa: E402
 
 
 def layer_type_list() -> list[str]:
@@ -41,4 +44,5 @@ __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu"
            "set_device", "set_random_seed", "layer_type_list", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
            "Layer", "register_layer", "Classifier", "coord_map", "draw", "layers", "params", "NetSpec",
-           "to_proto", "to_torch", "__version__"]
+           "to_proto", "to_torch", "__version__", "NCCL", "has_nccl", "set_solver_count",
+           "set_solver_rank", "set_multiprocess", "solver_count", "solver_rank", "init_log", "log"]

@@ -205,6 +205,10 @@ class _LmdbIter:
         self.key = item[0]
         return item
 
+    def seek(self, key: bytes) -> bool:
+        with _lmdb_errors(self.path, self.key):
+            return self.cur.set_key(key)
+
 
 class Cursor:
     """Walks the records in key order and wraps around at the end (``epochs`` counts wraps).
@@ -228,10 +232,24 @@ class Cursor:
         return item
 
     def advance(self, n: int = 1) -> None:
+        """Move ``n`` records on without reading their values (a worker skipping other shards)."""
         for _ in range(n):
             if not self._it.next():
                 self._it.first()
                 self.epochs += 1
+
+    def seek(self, key: bytes) -> None:
+        """Stand on record ``key`` (a resumed run's position); DBError when it is not there."""
+        if hasattr(self._it, "seek"):
+            found = self._it.seek(key)
+        else:       # LevelDB: walk from the first record
+            found = self._it.first()
+            while found and self._it.item()[0] != key:
+                found = self._it.next()
+        if not found:
+            self._it.first()
+            raise DBError(f"{self.db.path}: record {_show(key)} (where the snapshot's data cursor "
+                          "stood) is not in the database; was it rebuilt?")
 
 
 class LMDBWriter:

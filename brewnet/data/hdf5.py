@@ -10,6 +10,7 @@ import torch
 
 from ..layers.registry import register
 from ..layers.data import SourceLayer
+from ..proto import caffe_pb2 as pb
 from .source import check_batch
 from .transform import _seed_rng
 
@@ -30,7 +31,8 @@ class HDF5Data(SourceLayer):
     """Rows of HDF5 datasets named like the tops, from the files listed in ``source``, read in
     file order (or shuffled files and rows), wrapping around. Values become float32.
     Shapes: none -> one top per dataset, (batch_size,) + dataset.shape[1:].
-    Params: hdf5_data_param {source, batch_size, shuffle}."""
+    Params: hdf5_data_param {source, batch_size, shuffle}. Several workers (``shard``): each
+    takes the rows whose running index is its rank mod the count, as Caffe 1.0's Skip."""
 
     min_tops = 1
 
@@ -50,6 +52,7 @@ class HDF5Data(SourceLayer):
         if self.shuffle:
             self.rng.shuffle(self.file_order)
         self.current_file = 0
+        self.offset, self.rank, self.count = 0, 0, 1     # running row index, the worker's share
         self._load(self.files[self.file_order[0]])
         self.shapes = [(self.batch_size,) + b.shape[1:] for b in self.blobs_in_file]
 
@@ -85,7 +88,12 @@ class HDF5Data(SourceLayer):
             self.rng.shuffle(self.row_order)
         self.current_row = 0
 
+    def shard(self, rank: int, count: int) -> None:
+        if self.phase == pb.TRAIN:
+            self.rank, self.count = rank, count
+
     def _next(self) -> None:
+        self.offset += 1
         self.current_row += 1
         if self.current_row == len(self.row_order):
             if len(self.files) > 1:
@@ -104,6 +112,15 @@ class HDF5Data(SourceLayer):
 
     def forward(self, bottoms):
         outs = [np.empty(s, np.float32) for s in self.shapes]
+        if self.count > 1:              # a worker's share: Caffe 1.0's Skip, row by row
+            for i in range(self.batch_size):
+                while self.offset % self.count != self.rank:
+                    self._next()
+                row = self.row_order[self.current_row]
+                for o, b in zip(outs, self.blobs_in_file):
+                    o[i] = b[row]
+                self._next()
+            return [torch.from_numpy(o).to(device=self.device, dtype=self.dtype) for o in outs]
         i = 0
         while i < self.batch_size:      # runs of rows within the current file, one take each
             n = min(self.batch_size - i, len(self.row_order) - self.current_row)
@@ -111,6 +128,7 @@ class HDF5Data(SourceLayer):
             for o, b in zip(outs, self.blobs_in_file):
                 np.take(b, rows, axis=0, out=o[i:i + n])
             self.current_row += n - 1
+            self.offset += n - 1
             self._next()                # the last row of the run: wraps files as Caffe does
             i += n
         return [torch.from_numpy(o).to(device=self.device, dtype=self.dtype) for o in outs]

@@ -29,14 +29,43 @@ log = logging.getLogger("brewnet")
 # ------------------------------------------------------------------------------------ Data
 
 class _DatumLoader(Loader):
+    """``offset`` is Caffe 1.0's running record index (it keeps counting across epochs): of
+    ``count`` workers, worker ``rank`` takes the records with offset % count == rank and moves
+    past the others without reading them (``DataLayer::Skip``)."""
+
     def __init__(self, cursor, source, batch_size, transformer, with_label):
         self.cursor, self.source, self.batch_size = cursor, source, batch_size
         self.tf, self.with_label = transformer, with_label
+        self.offset, self.rank, self.count = 0, 0, 1
+
+    def shard(self, rank: int, count: int) -> None:
+        self.rank, self.count = rank, count
+
+    def state(self) -> dict:
+        return {"offset": self.offset, "key": self.cursor.peek()[0].hex(),
+                "epochs": self.cursor.epochs, "rng": self.tf.rng.bit_generator.state}
+
+    def set_state(self, state: dict) -> None:
+        try:
+            key = bytes.fromhex(state["key"])
+            self.offset, epochs = int(state["offset"]), int(state["epochs"])
+            self.tf.rng.bit_generator.state = state["rng"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise DBError(f"{self.source}: a data cursor without a valid {e} field") from None
+        self.cursor.seek(key)
+        self.cursor.epochs = epochs
+
+    def _next(self):
+        while self.offset % self.count != self.rank:
+            self.cursor.advance()
+            self.offset += 1
+        self.offset += 1
+        return self.cursor.next()
 
     def next_batch(self):
         images, labels = [], np.empty(self.batch_size, np.float32)
         for i in range(self.batch_size):
-            key, value = self.cursor.next()
+            key, value = self._next()
             datum = decode_datum(value, key, self.source)
             img = self.tf.image(datum, key, self.source)
             if images and img.shape != images[0].shape:
@@ -56,6 +85,8 @@ class Data(Prefetching):
     Shapes: none -> data (batch_size, C, H', W') [, label (batch_size,)].
     Params: data_param {source, batch_size, rand_skip, backend, prefetch, force_encoded_color},
     transform_param. Records may be raw (data bytes or float_data) or encoded images.
+    Several workers (``shard``): each takes every count-th record from its rank on, as Caffe
+    1.0; a TEST net is not sharded (Caffe tests on rank 0 alone).
     Differs from Caffe: the database kind is read from disk (Caffe's default backend is LEVELDB,
     which prototxts with an LMDB source often leave unset); rand_skip skips a uniform
     0..rand_skip-1 records at setup, as Caffe's single-reader layer did."""
@@ -88,6 +119,11 @@ class Data(Prefetching):
     def reshape(self, bottom_shapes):
         return list(self.shapes)
 
+    def shard(self, rank: int, count: int) -> None:
+        """Read only worker ``rank``'s share of ``count`` (from the next batch on)."""
+        if self.phase == pb.TRAIN:
+            self.reposition(lambda loader: loader.shard(rank, count))
+
 
 # ------------------------------------------------------------------------------- ImageData
 
@@ -96,6 +132,20 @@ class _ImageLoader(Loader):
         self.lines, self.list_path, self.root = lines, list_path, root
         self.size, self.color, self.shuffle = size, color, shuffle
         self.batch_size, self.tf, self.pos = batch_size, tf, pos
+
+    def state(self) -> dict:
+        return {"pos": self.pos, "rng": self.tf.rng.bit_generator.state,
+                "order": [ln for _, _, ln in self.lines] if self.shuffle else None}
+
+    def set_state(self, state: dict) -> None:
+        try:
+            if state["order"] is not None:
+                by_line = {ln: item for item in self.lines for ln in [item[2]]}
+                self.lines = [by_line[ln] for ln in state["order"]]
+            self.pos, self.tf.rng.bit_generator.state = int(state["pos"]), state["rng"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ListError(f"{self.list_path}: a data cursor that does not fit this list "
+                            f"({type(e).__name__}: {e})") from None
 
     def read(self, i: int) -> np.ndarray:
         name, _, lineno = self.lines[i]

@@ -25,17 +25,44 @@ class Loader:
     def alloc(self, shape) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.float32, pin_memory=self.pin)
 
-    def __call__(self) -> list[torch.Tensor]:
-        return self.next_batch()
+    def state(self) -> dict | None:
+        """Where the loader stands (JSON-able: cursor, RNG), or None when it cannot say."""
+        return None
+
+    def set_state(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def __call__(self) -> tuple[list[torch.Tensor], dict | None]:
+        # The position after the batch travels with it: the prefetcher runs ahead, and a
+        # snapshot must record where the consumer stands, not the producer.
+        return self.next_batch(), self.state()
 
 
 class Prefetching(SourceLayer):
     """A data layer whose batches come from ``self.loader`` through a Prefetcher."""
 
     def start_loader(self, loader: Loader, depth: int) -> None:
-        self.loader = loader
+        self.loader, self.depth = loader, depth
         self.prefetcher = Prefetcher(loader, depth, name=self.name) if depth > 0 else None
         self.wait_s = 0.0          # used when depth is 0 (loading inside forward)
+        self.consumed_state = loader.state()    # where the batches served so far leave it
+
+    def reposition(self, change) -> None:
+        """Apply ``change(loader)`` (a shard, a restored cursor) as if no batch had been read
+        ahead: a running prefetcher is dropped with its queue and started afresh."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        change(self.loader)
+        self.consumed_state = self.loader.state()
+        if self.prefetcher is not None:
+            self.prefetcher = Prefetcher(self.loader, self.depth, name=self.name)
+
+    def cursor_state(self) -> dict | None:
+        """Where the next batch the net sees will start (saved beside a .solverstate)."""
+        return self.consumed_state
+
+    def restore_cursor(self, state: dict) -> None:
+        self.reposition(lambda loader: loader.set_state(state))
 
     def to(self, device=None, dtype=None):
         super().to(device, dtype)
@@ -46,11 +73,12 @@ class Prefetching(SourceLayer):
     def forward(self, bottoms):
         try:
             if self.prefetcher is not None:
-                batch = self.prefetcher.get()
+                batch, state = self.prefetcher.get()
             else:
                 t0 = time.perf_counter()
-                batch = self.loader()
+                batch, state = self.loader()
                 self.wait_s += time.perf_counter() - t0
+            self.consumed_state = state
         except (DBError, TransformError, OSError) as e:
             raise layer_error(self, e) from None
         return [t.to(device=self.device, dtype=self.dtype, non_blocking=True) for t in batch]

@@ -4,9 +4,11 @@ views, the solvers whose nets are such Nets, ``Classifier``, ``NetSpec`` (``laye
 """
 from . import coord_map, draw, io  # noqa: F401
 from .classifier import Classifier
-from .mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
+from .mode import init_log, log, set_device, set_mode_cpu, set_mode_gpu, set_random_seed
 from .net import LayerView, Net
 from .net_spec import NetSpec, layer_fn, params, to_proto
+from .parallel import (NCCL, has_nccl, set_multiprocess, set_solver_count, set_solver_rank,
+                       solver_count, solver_rank)
 from .solver import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver, RMSPropSolver,
                      SGDSolver, get_solver)
 
@@ -30,4 +32,6 @@ _install_layer_namespace()
 
 __all__ = ["Net", "LayerView", "Classifier", "coord_map", "draw", "NetSpec", "params", "to_proto", "io", "set_mode_cpu",
            "set_mode_gpu", "set_device", "set_random_seed", "SGDSolver", "NesterovSolver",
-           "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver"]
+           "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver", "NCCL",
+           "has_nccl", "set_solver_count", "set_solver_rank", "set_multiprocess", "solver_count",
+           "solver_rank", "init_log", "log"]

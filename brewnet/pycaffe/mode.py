@@ -13,7 +13,7 @@ import torch
 from .. import runtime
 from ..runtime import set_random_seed  # noqa: F401  (caffe.set_random_seed)
 
-log = logging.getLogger("brewnet")
+_log = logging.getLogger("brewnet")
 
 
 def set_mode_cpu() -> None:
@@ -22,7 +22,7 @@ def set_mode_cpu() -> None:
 
 def set_mode_gpu() -> None:
     if not torch.cuda.is_available():
-        log.warning("set_mode_gpu: CUDA is not available here; running on the CPU")
+        _log.warning("set_mode_gpu: CUDA is not available here; running on the CPU")
     runtime.set_default_device(True)
     runtime.configure()
 
@@ -31,3 +31,15 @@ def set_device(device_id: int) -> None:
     runtime.set_default_device(runtime._mode["gpu"], device_id)
     if runtime._mode["gpu"]:
         runtime.configure()
+
+
+def init_log() -> None:
+    """pycaffe's ``caffe.init_log()``: brewnet's log lines on stderr in glog's format."""
+    from ..analysis.glog import setup_logging
+
+    setup_logging()
+
+
+def log(message: str) -> None:
+    """pycaffe's ``caffe.log(msg)``: one INFO line."""
+    _log.info("%s", message)

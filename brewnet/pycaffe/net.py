@@ -79,6 +79,10 @@ class Net(core.Net):
         outs = self.inputs if end is None else self.bottom_lists[self._index(end, 0)]
         return {n: self.blobs[n].diff for n in list(outs) + list(diffs or [])}
 
+    def after_backward(self, callback) -> None:
+        """pycaffe's ``net.after_backward(nccl)``: reduce gradients during the backward pass."""
+        callback.reduce_during_backward(self)
+
     def forward_all(self, blobs=None, **inputs):
         """pycaffe's ``forward_all``: any number of items, run batch by batch (the last one
         padded), outputs concatenated with the padding stripped."""

@@ -7,8 +7,17 @@ from .. import solvers as core
 from .net import Net
 
 
+def add_callback(self, on_start=None, on_gradients=None) -> None:
+    """pycaffe's two forms: ``add_callback(on_start, on_gradients)`` with functions, or
+    ``add_callback(nccl)`` with an object that has ``on_start`` and ``on_gradients_ready``."""
+    if on_gradients is None and hasattr(on_start, "on_gradients_ready"):
+        on_start, on_gradients = on_start.on_start, on_start.on_gradients_ready
+    core.Solver.add_callback(self, on_start, on_gradients)
+
+
 def _pycaffe(cls: type) -> type:
     return type(cls.__name__, (cls,), {"net_class": Net, "__module__": __name__,
+                                       "add_callback": add_callback,
                                        "__doc__": cls.__doc__, "__qualname__": cls.__name__})
 
 

@@ -18,6 +18,7 @@ import torch
 
 from .. import runtime, threads
 from ..blob import diff_viewed
+from ..data import cursors
 from ..net import Net
 from ..proto import caffe_pb2 as pb
 from . import snapshot as ss
@@ -97,6 +98,8 @@ class Solver:
         self._pending_steps: list[tuple[torch.Tensor, torch.Tensor]] = []   # (diff, step)
         self._zero_history: set[int] = set()      # learnable indices whose history is all 0
         self.threads = threads.Tuner(self.net)   # torch's threads for this net's steps
+        self.restored_cursors: list | None = None  # every rank's data cursors, from restore()
+        self.replicas = None    # brewnet.parallel.Replicas when other workers train with this one
         log.info("Solver scaffolding done.")
 
     # -- hooks for update rules -------------------------------------------------------------
@@ -435,8 +438,13 @@ class Solver:
         from ..weights import net_to_proto, save_weights_h5
         from ..proto.io import remove_stale_temps, write_binary
 
-        remove_stale_temps(f"{self.param.snapshot_prefix}_iter_")   # a killed snapshot's
         self._store_steps()
+        ranks = [cursors.capture(self.net)]
+        if self.replicas is not None:      # every worker's cursors; rank 0 alone writes
+            ranks = self.replicas.gather_cursors(ranks[0])
+            if ranks is None:
+                return ""
+        remove_stale_temps(f"{self.param.snapshot_prefix}_iter_")   # a killed snapshot's
         p = self.param
         h5 = p.snapshot_format == pb.SolverParameter.HDF5
         model = self._filename(".caffemodel.h5" if h5 else ".caffemodel")
@@ -445,9 +453,11 @@ class Solver:
             save_weights_h5(self.net, model, with_diff=p.snapshot_diff)
         else:
             write_binary(model, net_to_proto(self.net, with_diff=p.snapshot_diff))
+        path = self._filename(".solverstate.h5" if h5 else ".solverstate")
+        if any(ranks):              # a net with data layers that know their position
+            cursors.write(cursors.path_for(path), self.iter, ranks)
         state = ss.SolverStateData(self.iter, self.current_step, model,
                                    [h.detach().float().cpu().numpy() for h in self.history])
-        path = self._filename(".solverstate.h5" if h5 else ".solverstate")
         log.info("Snapshotting solver state to %s file %s", "HDF5" if h5 else "binary proto", path)
         (ss.write_solverstate_h5 if h5 else ss.write_solverstate)(path, state)
         return path
@@ -473,6 +483,16 @@ class Solver:
         self.iter, self.current_step = st.iter, st.current_step
         self._zero_history.clear()
         self._train_count = self.iter * self.param.iter_size
+        self.restored_cursors = cursors.read(cursors.path_for(path), st.iter)
+        if self.restored_cursors is None and cursors.capture(self.net):
+            log.info("%s has no data cursors beside it: the data restarts from the first "
+                     "record, as Caffe's", path)
+        if self.restored_cursors is not None and self.replicas is None:
+            if len(self.restored_cursors) == 1:
+                cursors.apply(self.net, self.restored_cursors[0], path)
+            else:
+                log.info("%s: data cursors of %d workers; one process alone restarts its data "
+                         "from the first record", path, len(self.restored_cursors))
 
     @staticmethod
     def _find_learned_net(name: str, state_path: str) -> str:

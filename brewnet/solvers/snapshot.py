@@ -99,3 +99,21 @@ def _read_h5(path: str) -> SolverStateData:
                 [np.asarray(hist[str(i)], dtype=np.float32) for i in range(n)])
     except OSError as e:
         raise ProtoError(f"{path}: truncated or corrupt HDF5 solver state: {e}") from None
+
+
+def latest(prefix: str) -> str:
+    """The newest complete snapshot under ``prefix`` (``<prefix>_iter_N.solverstate[.h5]``, the
+    largest N), or "" when there is none. The state file is written last and atomically, so
+    one that exists is complete; one whose weights file is gone is passed over."""
+    import re
+
+    folder, base = os.path.split(prefix)
+    pattern = re.compile(re.escape(base) + r"_iter_(\d+)\.solverstate(\.h5)?$")
+    found = []
+    for name in os.listdir(folder or "."):
+        m = pattern.match(name)
+        if m:
+            model = name.replace(".solverstate", ".caffemodel")
+            if os.path.exists(os.path.join(folder, model)):
+                found.append((int(m.group(1)), os.path.join(folder, name)))
+    return max(found)[1] if found else ""

@@ -6,6 +6,11 @@ Caffe's rules: ``--snapshot`` (resume) and ``--weights`` (finetune) exclude each
 decides (Caffe's default is GPU: ``device_id`` when CUDA is here, else the CPU with a warning).
 ``--sigint_effect`` (default stop) and ``--sighup_effect`` (default snapshot) act at the next
 iteration. Logs go to stderr in glog's format; on a terminal a progress bar runs below them.
+
+Several workers (``brewnet.parallel``, Caffe 1.0's semantics): ``--gpu 0,1|all`` starts one per
+device, ``--workers N`` N CPU workers (gloo); under ``torchrun`` each process is one worker.
+Rank 0 alone logs, tests and snapshots. ``--resume auto`` continues from the newest snapshot
+under the solver's prefix (none: from the start), so ``torchrun --max-restarts K`` recovers.
 """
 from __future__ import annotations
 
@@ -30,6 +35,13 @@ def add_arguments(p) -> None:
     p.add_argument("--snapshot", "-snapshot", default="", metavar="S",
                    help="a .solverstate[.h5] to resume training from")
     add_gpu_flag(p)
+    p.add_argument("--workers", "-workers", type=int, default=None, metavar="N",
+                   help="train on N CPU worker processes (data parallel, gloo)")
+    p.add_argument("--resume", "-resume", choices=["auto"], default=None,
+                   help="auto: resume from the newest snapshot under the solver's prefix, if any")
+    p.add_argument("--timeout", "-timeout", type=float, default=300.0, metavar="S",
+                   help="several workers: seconds to wait for the rendezvous and for a lost or "
+                        "hung worker before stopping (default 300)")
     add_net_state_flags(p)
     p.add_argument("--sigint_effect", "-sigint_effect", default="stop", choices=EFFECTS,
                    help="on SIGINT (Ctrl-C): stop, snapshot or none (default stop)")
@@ -58,19 +70,30 @@ def _solver_param(args):
     return param
 
 
-def _device(args, param):
+def _child_argv(args) -> list[str]:
+    argv = ["train", "--solver", args.solver, "--level", str(args.level), "--timeout", str(args.timeout),
+            "--sigint_effect", args.sigint_effect, "--sighup_effect", args.sighup_effect]
+    for flag in ("weights", "snapshot", "gpu", "stage", "resume"):
+        if getattr(args, flag):
+            argv += [f"--{flag}", getattr(args, flag)]
+    return argv
+
+
+def _device(args, param, world=None):
     import torch
     from ..proto import caffe_pb2 as pb
 
     gpus = parse_gpus(args.gpu)
+    if world is not None and gpus:
+        if world.local_rank >= len(gpus):
+            raise CLIError(f"--gpu {args.gpu}: LOCAL_RANK {world.local_rank} but {len(gpus)} "
+                           "device(s) listed; start one worker per device")
+        gpus = [gpus[world.local_rank]]
     if not gpus and param.solver_mode == pb.SolverParameter.GPU:   # GPU is Caffe's default mode
         if torch.cuda.is_available():
             gpus = [param.device_id]
         else:
             log.warning("solver_mode is GPU but CUDA is not available here; training on the CPU")
-    if len(gpus) > 1:
-        raise CLIError(f"--gpu {args.gpu}: training on {len(gpus)} GPUs is not supported yet; "
-                       "pick one device id")
     if not gpus:
         log.info("Use CPU.")
         return torch.device("cpu")
@@ -85,6 +108,18 @@ def run(args) -> int:
     setup_logging()
     if args.snapshot and args.weights:
         return report(COMMAND, "Give a snapshot to resume training or weights to finetune but not both.")
+    if args.resume and args.snapshot:
+        return report(COMMAND, "--resume auto finds the snapshot itself; give it or --snapshot, not both.")
+    try:
+        from ..parallel import plan
+
+        world, spawn = plan(args.workers, parse_gpus(args.gpu))
+    except USER_ERRORS as e:
+        return report(COMMAND, e)
+    if spawn:
+        from ..parallel import spawn as start_workers
+
+        return start_workers(_child_argv(args), spawn, args.timeout)
     from ..solvers.guards import signal_effects
 
     # As Caffe, the handlers go in before the solver is built and stay until the command
@@ -100,36 +135,60 @@ def run(args) -> int:
         (holder[0].request_action if holder else pending.append)(effect)
 
     with signal_effects(request, args.sigint_effect, args.sighup_effect):
-        return _train(args, holder, pending)
+        return _train(args, holder, pending, world)
 
 
-def _train(args, holder, pending) -> int:
+def _train(args, holder, pending, world) -> int:
+    from ..parallel import Replicas, join, leave
+
+    watch = replicas = None
     try:
         from ..solvers import get_solver
+        from ..solvers.snapshot import latest
 
+        if world is not None and world.rank:
+            log.setLevel(logging.WARNING)        # Caffe: LOG_IF(INFO, root_solver())
         param = _solver_param(args)
-        device = _device(args, param)
+        device = _device(args, param, world)
+        if world is not None:
+            watch = join(world, device, args.timeout)
         for w in param.weights:
             log.info("Finetuning from %s", w)
         solver = get_solver(param, device=device)
-        holder.append(solver)
+        if world is not None:
+            replicas = Replicas(solver, world.rank, world.size, watch, param.layer_wise_reduce)
+        holder.append(replicas or solver)        # signals: the workers agree on them first
         for effect in pending:
-            solver.request_action(effect)
+            holder[0].request_action(effect)
         size_threads(solver.net)
         resize_threads_after(solver)
-        if args.snapshot:
-            log.info("Resuming from %s", args.snapshot)
+        resume = args.snapshot or (latest(param.snapshot_prefix) if args.resume else "")
+        if args.resume:
+            log.info("--resume auto: %s", f"resuming from {resume}" if resume else
+                     f"no snapshot under {param.snapshot_prefix}_iter_*; starting from the start")
+        if resume and (world is None or world.rank == 0):
+            log.info("Resuming from %s", resume)
+            log.info("Restoring previous solver status from %s", resume)
+            solver.restore(resume)
+        if replicas is not None:
+            replicas.sync_from_root()
+            solver.add_callback(replicas.on_start, replicas.on_gradients)
         log.info("Starting Optimization")
-        with progress_bar(param.max_iter, desc="train") as bar:
+        with progress_bar(param.max_iter if world is None or world.rank == 0 else 0,
+                          desc="train") as bar:
             if bar is not None:
                 def advance(s=solver):
                     bar.update(s.iter + 1 - bar.n)
                     bar.set_postfix(loss=f"{float(s.loss):.4g}", refresh=False)
                 solver.add_callback(on_gradients=advance)
             t0 = time.perf_counter()
-            solver.solve(resume_file=args.snapshot or None)   # handlers are run()'s
+            solver.solve()   # handlers are run()'s
+        if replicas is not None:
+            replicas.finish()
     except USER_ERRORS as e:
         return report(COMMAND, e)
+    finally:
+        leave(watch)
     wall = time.perf_counter() - t0
     wait = sum(l.data_wait_s for l in prefetching_layers(solver.net))
     if wait or prefetching_layers(solver.net):
