@@ -15,6 +15,7 @@ from .deploy import to_torch  # noqa: E402
 from .layers import layer_types as _layer_types  # noqa: E402
 from .layers import register_layer  # noqa: E402  (plugins: @brewnet.register_layer("Type"))
 from .layers.python import Layer  # noqa: E402  (base class of Python layers)
+from .many.merge import merge_indep_net_spec, merge_nets  # noqa: E402  (nideep's merge)
 from .net import NetError  # noqa: E402
 from .proto import caffe_pb2  # noqa: E402
 from .proto.caffe_pb2 import TEST, TRAIN  # noqa: E402
@@ -33,4 +34,4 @@ __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu"
            "set_device", "set_random_seed", "layer_type_list", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
            "Layer", "register_layer", "Classifier", "coord_map", "draw", "layers", "params", "NetSpec",
-           "to_proto", "to_torch", "__version__"]
+           "to_proto", "to_torch", "merge_indep_net_spec", "merge_nets", "__version__"]
