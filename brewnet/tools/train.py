@@ -6,11 +6,18 @@ Caffe's rules: ``--snapshot`` (resume) and ``--weights`` (finetune) exclude each
 decides (Caffe's default is GPU: ``device_id`` when CUDA is here, else the CPU with a warning).
 ``--sigint_effect`` (default stop) and ``--sighup_effect`` (default snapshot) act at the next
 iteration. Logs go to stderr in glog's format; on a terminal a progress bar runs below them.
+
+Several ``--solver`` flags train the solvers together in one process (``brewnet.many``): each
+keeps its own rule, schedule and snapshots, its log lines start with ``[s0] ``, ``[s1] ``... (by
+position; ``brewnet parse-log --prefix "[s1]"`` picks one out), and each batch is read once per
+data definition. ``--fuse`` runs them as one fused net (``brewnet.many.fused``; an error naming
+the first layer that differs when they cannot be fused).
 """
 from __future__ import annotations
 
 import logging
 import time
+import types
 
 from .common import (USER_ERRORS, CLIError, add_gpu_flag, add_net_state_flags, parse_gpus,
                      prefetching_layers, progress_bar, report, resize_threads_after, size_threads,
@@ -23,8 +30,10 @@ log = logging.getLogger("brewnet")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--solver", "-solver", required=True, metavar="S",
-                   help="the solver definition (.prototxt)")
+    p.add_argument("--solver", "-solver", required=True, metavar="S", action="append",
+                   help="the solver definition (.prototxt); repeat it to train several together")
+    p.add_argument("--fuse", "-fuse", action="store_true",
+                   help="with several --solver of one architecture: train them as one fused net")
     p.add_argument("--weights", "-weights", default="", metavar="W1,W2",
                    help="pretrained .caffemodel(s) to finetune from, separated by ','")
     p.add_argument("--snapshot", "-snapshot", default="", metavar="S",
@@ -37,13 +46,13 @@ def add_arguments(p) -> None:
                    help="on SIGHUP: stop, snapshot or none (default snapshot)")
 
 
-def _solver_param(args):
+def _solver_param(args, solver):
     """The solver file with the command line's overrides, its net paths made absolute so the
     message can be built from anywhere (the Solver resolves them as it does for files)."""
     from ..solvers import load_solver_param
     from ..solvers.nets import resolve
 
-    param, path = load_solver_param(args.solver)
+    param, path = load_solver_param(solver)
     param.train_state.level = args.level
     param.train_state.stage.extend(stages(args.stage))
     if args.snapshot or args.weights:
@@ -100,6 +109,8 @@ def run(args) -> int:
         (holder[0].request_action if holder else pending.append)(effect)
 
     with signal_effects(request, args.sigint_effect, args.sighup_effect):
+        if len(args.solver) > 1 or args.fuse:
+            return _train_many(args, holder, pending)
         return _train(args, holder, pending)
 
 
@@ -107,7 +118,7 @@ def _train(args, holder, pending) -> int:
     try:
         from ..solvers import get_solver
 
-        param = _solver_param(args)
+        param = _solver_param(args, args.solver[0])
         device = _device(args, param)
         for w in param.weights:
             log.info("Finetuning from %s", w)
@@ -134,5 +145,48 @@ def _train(args, holder, pending) -> int:
     wait = sum(l.data_wait_s for l in prefetching_layers(solver.net))
     if wait or prefetching_layers(solver.net):
         log.info("Waited %.3g s for training data: %.1f%% of %.4g s", wait, 100 * wait / (wall or 1), wall)
+    log.info("Optimization Done.")
+    return 0
+
+
+def _train_many(args, holder, pending) -> int:
+    """Several solvers in one process: together over shared data, or fused (``--fuse``)."""
+    try:
+        if args.snapshot:
+            raise CLIError("--snapshot resumes one solver; with several --solver, resume them "
+                           "one at a time")
+        params = [_solver_param(args, s) for s in args.solver]
+        device = _device(args, params[0])
+        for k, f in enumerate(args.solver):
+            log.info("Solver s%d: %s", k, f)
+        if args.fuse:
+            try:
+                from ..many.fused import FusedSolvers
+            except ImportError:
+                raise CLIError("--fuse: the fused engine (brewnet.many.fused) is not in this "
+                               "install; train them together without --fuse") from None
+            runner = FusedSolvers(params, device=device)
+            size_threads(runner.solvers[0].net)
+        else:
+            from ..many.together import TrainTogether
+
+            runner = TrainTogether(params, device=device)
+            runner.size_threads()
+        act = getattr(runner, "request_action", None) or (
+            lambda e: [s.request_action(e) for s in runner.solvers if hasattr(s, "request_action")])
+        holder.append(types.SimpleNamespace(request_action=act))
+        for effect in pending:
+            act(effect)
+        log.info("Starting Optimization")
+        t0 = time.perf_counter()
+        with progress_bar(sum(p.max_iter for p in params), desc="train") as bar:
+            if bar is not None:
+                for s in (s for s in runner.solvers if hasattr(s, "add_callback")):
+                    s.add_callback(on_gradients=lambda r=runner: bar.update(
+                        sum(x.iter for x in r.solvers) + 1 - bar.n))
+            runner.solve()
+    except USER_ERRORS as e:
+        return report(COMMAND, e)
+    log.info("Trained %d solvers in %.4g s", len(params), time.perf_counter() - t0)
     log.info("Optimization Done.")
     return 0
