@@ -179,3 +179,26 @@ def test_cli_bad_input(setup, capsys):
     assert main(["train", "--solver", files[0], "--solver", files[0]]) == 1
     err = capsys.readouterr().err
     assert "both snapshot to prefix" in err and "Traceback" not in err
+
+
+def test_fuse_errors_are_one_clean_line(setup, capsys, monkeypatch):
+    """--fuse hands the solvers to brewnet.many.fused (a stand-in here, refusing as the real one
+    refuses nets of different architectures); its error is the command's one-line error."""
+    import sys
+    import types
+
+    _, write = setup
+    files = write()
+    fake = types.ModuleType("brewnet.many.fused")
+
+    class FuseError(ValueError):
+        pass
+
+    def refuse(params, device=None):
+        assert len(params) == 2 and all(p.net.endswith(".prototxt") for p in params)
+        raise FuseError("layer 'conv' differs: num_output 4 vs 8")
+    fake.FuseError, fake.FusedSolvers = FuseError, refuse
+    monkeypatch.setitem(sys.modules, "brewnet.many.fused", fake)
+    assert main(["train", "--fuse", "--solver", files[0], "--solver", files[1]]) == 1
+    err = capsys.readouterr().err
+    assert "brewnet train: layer 'conv' differs: num_output 4 vs 8" in err and "Traceback" not in err

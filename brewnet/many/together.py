@@ -220,9 +220,13 @@ class TrainTogether:
             for k in list(active):
                 if not self._advance(k, runs[k]):
                     active.remove(k)
-                    for st in self.streams:
-                        for c in [c for c in st._pos if c[0] == k]:
-                            st.detach(c)
+                    self.finished(k)
+
+    def finished(self, k: int) -> None:
+        """Solver ``k`` reads no more: its streams stop keeping batches for it."""
+        for st in self.streams:
+            for c in [c for c in st._pos if c[0] == k]:
+                st.detach(c)
 
     def request_action(self, action: str) -> None:
         """"stop" or "snapshot" for every solver at its next check (the signal handlers)."""
