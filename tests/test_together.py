@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from brewnet.analysis.logparse import parse_lines
 from brewnet.cli import main
@@ -202,3 +203,19 @@ def test_fuse_errors_are_one_clean_line(setup, capsys, monkeypatch):
     assert main(["train", "--fuse", "--solver", files[0], "--solver", files[1]]) == 1
     err = capsys.readouterr().err
     assert "brewnet train: layer 'conv' differs: num_output 4 vs 8" in err and "Traceback" not in err
+
+
+def test_step_calls_keep_every_net_on_its_own_batches(setup):
+    _, write = setup
+    files = write()
+    alone = []
+    for f in files:
+        s = get_solver(f)
+        s.step(3)
+        s.step(4)
+        alone.append([b.detach().clone() for b in s.net.learnable])
+    t = TrainTogether(files)
+    t.step(3)
+    t.step(4)
+    for s, ref in zip(t.solvers, alone):
+        assert all(torch.equal(a.detach(), b) for a, b in zip(s.net.learnable, ref))

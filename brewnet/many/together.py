@@ -68,6 +68,9 @@ class DataStream:
         self._trim()
 
     def _take(self, consumer, bottoms):
+        if consumer not in self._pos:
+            raise SolverError(f"solver {consumer[0]} has finished solving and its data stream has "
+                              "moved on; train it further in a new TrainTogether")
         i = self._pos[consumer] - self._base
         if i == len(self._batches):
             self._batches.append(self._read(bottoms))
@@ -214,16 +217,18 @@ class TrainTogether:
         finally:
             self._rng[k] = self._rng_state(s)
 
-    def _run(self, runs) -> None:
+    def _run(self, runs, detach: bool) -> None:
         active = list(range(len(runs)))
         while active:
             for k in list(active):
                 if not self._advance(k, runs[k]):
                     active.remove(k)
-                    self.finished(k)
+                    if detach:
+                        self.finished(k)
 
     def finished(self, k: int) -> None:
-        """Solver ``k`` reads no more: its streams stop keeping batches for it."""
+        """Solver ``k`` reads no more (it solved to max_iter): its streams stop keeping batches
+        for it. ``step`` does not call this: the solvers stay in step for the next call."""
         for st in self.streams:
             for c in [c for c in st._pos if c[0] == k]:
                 st.detach(c)
@@ -235,7 +240,7 @@ class TrainTogether:
 
     def step(self, iters: int) -> None:
         """``iters`` iterations of each solver, in turn."""
-        self._run([s._stepping(iters) for s in self.solvers])
+        self._run([s._stepping(iters) for s in self.solvers], detach=False)
 
     def solve(self, resume_files=None, sigint_effect: str | None = None,
               sighup_effect: str | None = None) -> None:
@@ -243,7 +248,7 @@ class TrainTogether:
         solver); the signal handlers act on all of them."""
         resume = list(resume_files) if resume_files else [None] * len(self.solvers)
         with signal_effects(self.request_action, sigint_effect, sighup_effect):
-            self._run([s.solving(r) for s, r in zip(self.solvers, resume)])
+            self._run([s.solving(r) for s, r in zip(self.solvers, resume)], detach=True)
 
     def size_threads(self, data_busy: float | None = None) -> int:
         """Torch's threads, once for the whole process: next to the streams' producers (a core
