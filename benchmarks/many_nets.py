@@ -14,7 +14,8 @@ that differ only in their random seed are trained each way:
 ``--steps``); "speed-up" is one-by-one's step time over the mode's; "peak MiB" is the peak
 resident memory of the mode's processes, summed over processes. The data is MNIST t10k from
 ``../shared`` converted to an LMDB once (in a temp folder). Every mode trains with torch's
-default threads, as a user's run would; the machine may be shared, so compare within one run.
+default threads, as a user's run would (``--threads N`` sets OMP_NUM_THREADS for every process
+instead); the machine may be shared, so compare within one run.
 """
 from __future__ import annotations
 
@@ -136,8 +137,10 @@ def spawn(a, mode, net, k, index=0, barrier=""):
     cmd = [sys.executable, __file__, "--worker", mode, "--net", str(net), "--k", str(k),
            "--work", a.work, "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--device", a.device, "--index", str(index), "--barrier", barrier]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if getattr(a, "threads", 0):
+        env["OMP_NUM_THREADS"] = str(a.threads)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
 
 def result(proc) -> dict:
@@ -176,6 +179,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="OMP_NUM_THREADS for every process (default: torch's default)")
     ap.add_argument("--work", default="")
     ap.add_argument("--worker", default="")
     ap.add_argument("--net", default="")
@@ -193,8 +198,10 @@ def main() -> None:
         a.work = a.work or tmp
         nets = prepare(Path(a.work))
         modes = a.modes.split(",")
+        threads = a.threads or "default"
         print(f"many_nets: {a.steps} timed steps after {a.warmup}, device {a.device}, "
-              f"{os.cpu_count()} CPUs (shared machine: compare within this table)")
+              f"{os.cpu_count()} CPUs, torch threads {threads} per process "
+              "(shared machine: compare within this table)")
         print(f"{'net':6} {'K':>2} {'mode':11} {'step ms':>9} {'speed-up':>9} {'peak MiB':>9}")
         for name in a.nets.split(","):
             for k in (int(x) for x in a.ks.split(",")):

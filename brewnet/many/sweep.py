@@ -162,12 +162,13 @@ class Sweep:
             log.info("Sweep: %d variants trained together, not fused: %s", len(params), why)
             self.runner = TrainTogether(params, device=device, prefixes=self.prefixes)
         self.results = [Result(n) for n in self.names]
-        for s, r in zip(self.runner.solvers, self.results):
-            if hasattr(s, "add_callback"):
-                self._watch(s, r)
+        self._checks = [self._watch(s, r) for s, r in zip(self.runner.solvers, self.results)
+                        if hasattr(s, "add_callback")]
 
     @staticmethod
-    def _watch(solver, result: Result) -> None:
+    def _watch(solver, result: Result):
+        """Record losses and test outputs through the solver's callbacks; returns the check
+        that picks up a test run after the last iteration."""
         seen = [None]
 
         def tests(s=solver):     # after a test, before the next iteration's forward
@@ -178,27 +179,19 @@ class Sweep:
 
         solver.add_callback(on_start=tests,
                             on_gradients=lambda s=solver: result.losses.append((s.iter, float(s.loss))))
-        result._tests = tests
+        return tests
 
     def run(self) -> list[Result]:
         t0 = time.perf_counter()
         done = {}
-        solvers = self.runner.solvers
         if self.engine == "together":
-            runs = [s.solving() for s in solvers]
-            active = list(range(len(runs)))
-            while active:
-                for k in list(active):
-                    if not self.runner._advance(k, runs[k]):
-                        active.remove(k)
-                        self.runner.finished(k)
-                        done[k] = time.perf_counter() - t0
+            self.runner.solve(on_finished=lambda k: done.setdefault(k, time.perf_counter() - t0))
         else:
             self.runner.solve()
         wall = time.perf_counter() - t0
-        for k, (s, r) in enumerate(zip(solvers, self.results)):
-            if hasattr(r, "_tests"):
-                r._tests()
+        for check in self._checks:
+            check()
+        for k, (s, r) in enumerate(zip(self.runner.solvers, self.results)):
             r.final_loss = float(getattr(s, "smoothed_loss", getattr(s, "loss", float("nan"))))
             r.wall_s = done.get(k, wall)
         return self.results

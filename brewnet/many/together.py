@@ -217,7 +217,7 @@ class TrainTogether:
         finally:
             self._rng[k] = self._rng_state(s)
 
-    def _run(self, runs, detach: bool) -> None:
+    def _run(self, runs, detach: bool, on_finished=None) -> None:
         active = list(range(len(runs)))
         while active:
             for k in list(active):
@@ -225,6 +225,8 @@ class TrainTogether:
                     active.remove(k)
                     if detach:
                         self.finished(k)
+                    if on_finished is not None:
+                        on_finished(k)
 
     def finished(self, k: int) -> None:
         """Solver ``k`` reads no more (it solved to max_iter): its streams stop keeping batches
@@ -243,12 +245,13 @@ class TrainTogether:
         self._run([s._stepping(iters) for s in self.solvers], detach=False)
 
     def solve(self, resume_files=None, sigint_effect: str | None = None,
-              sighup_effect: str | None = None) -> None:
+              sighup_effect: str | None = None, on_finished=None) -> None:
         """Each solver to its own ``max_iter`` (``resume_files``: a .solverstate or None per
-        solver); the signal handlers act on all of them."""
+        solver); the signal handlers act on all of them; ``on_finished(k)`` is called as
+        solver ``k`` ends."""
         resume = list(resume_files) if resume_files else [None] * len(self.solvers)
         with signal_effects(self.request_action, sigint_effect, sighup_effect):
-            self._run([s.solving(r) for s, r in zip(self.solvers, resume)], detach=True)
+            self._run([s.solving(r) for s, r in zip(self.solvers, resume)], True, on_finished)
 
     def size_threads(self, data_busy: float | None = None) -> int:
         """Torch's threads, once for the whole process: next to the streams' producers (a core
