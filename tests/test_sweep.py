@@ -43,9 +43,9 @@ def solver_file(tmp_path):
 def test_product_of_the_lists(solver_file, tmp_path):
     vs = variants(str(solver_file), parse_sets(["base_lr=0.001,0.01,0.1", "random_seed=1,2"]),
                   str(tmp_path / "out"))
-    assert [n for n, _ in vs] == ["v0_base_lr-0.001_random_seed-1", "v1_base_lr-0.001_random_seed-2",
-                                  "v2_base_lr-0.01_random_seed-1", "v3_base_lr-0.01_random_seed-2",
-                                  "v4_base_lr-0.1_random_seed-1", "v5_base_lr-0.1_random_seed-2"]
+    assert [n for n, _ in vs] == ["s0_base_lr-0.001_random_seed-1", "s1_base_lr-0.001_random_seed-2",
+                                  "s2_base_lr-0.01_random_seed-1", "s3_base_lr-0.01_random_seed-2",
+                                  "s4_base_lr-0.1_random_seed-1", "s5_base_lr-0.1_random_seed-2"]
     p = vs[3][1]
     assert (np.float32(p.base_lr), p.random_seed, p.momentum) == (np.float32(0.01), 2, np.float32(0.9))
     assert p.snapshot_prefix == str(tmp_path / "out" / vs[3][0] / "tiny_solver")
@@ -92,6 +92,13 @@ def test_sweep_together_equals_each_variant_alone(solver_file, tmp_path, capsys)
         train, test = parse_log(out / name / "train.log")      # its own log, a plain one
         assert [r["NumIters"] for r in train] == [0, 2, 4]
         assert [r["NumIters"] for r in test] == [0, 3, 6]
+    # The curves of an engine without callbacks (the fused one) come from the variant's log.
+    from brewnet.many.sweep import Result
+    from brewnet.tools.sweep import _curves_from_logs
+    r = Result(names[1])
+    _curves_from_logs([r], str(out))
+    assert [i for i, _ in r.losses] == [0, 2, 4] and [i for i, _ in r.tests] == [0, 3, 6]
+    assert set(r.tests[-1][1]) == {"acc", "loss"} and f"{r.best('acc'):.4g}" in text
 
 
 def test_default_fuses_or_says_why_not(solver_file, tmp_path, capsys):

@@ -96,7 +96,8 @@ def variants(solver, sets, out_dir) -> list[tuple[str, "pb.SolverParameter"]]:
     keys = [k for k, _ in sets]
     out = []
     for i, combo in enumerate(itertools.product(*[v for _, v in sets])):
-        name = f"v{i}_" + "_".join(f"{k}-{_label(v)}" for k, v in zip(keys, combo)) if keys else "v0"
+        # s<i>: the log prefix ([s<i>]) of variant i, fused or together
+        name = f"s{i}_" + "_".join(f"{k}-{_label(v)}" for k, v in zip(keys, combo)) if keys else "s0"
         p = pb.SolverParameter()
         p.CopyFrom(param)
         for k, v in zip(keys, combo):

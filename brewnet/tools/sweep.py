@@ -57,6 +57,24 @@ def _log_files(names, prefixes, out):
     return handlers
 
 
+def _curves_from_logs(results, out) -> None:
+    """Losses and test outputs from each variant's own log where the engine ran no callbacks
+    (the fused one): its Train/Test net output lines."""
+    import os
+
+    from ..analysis.logparse import parse_log
+
+    for r in results:
+        path = os.path.join(out, r.name, "train.log")
+        if r.losses or not os.path.exists(path):
+            continue
+        train, test = parse_log(path)
+        r.losses = [(row["NumIters"], row["loss"]) for row in train if "loss" in row]
+        skip = ("NumIters", "Seconds", "LearningRate")
+        r.tests = [(row["NumIters"], {k: v for k, v in row.items() if k not in skip})
+                   for row in test] or r.tests
+
+
 def run(args) -> int:
     import os
     from pathlib import Path
@@ -83,6 +101,7 @@ def run(args) -> int:
                     s.add_callback(on_gradients=lambda r=sweep.runner: bar.update(
                         sum(x.iter for x in r.solvers) + 1 - bar.n))
             results = sweep.run()
+        _curves_from_logs(results, out)
         text = f"Sweep of {args.solver} ({sweep.engine}):\n{table(results)}\n"
         Path(out, "sweep.txt").write_text(text)
         plot(results, os.path.join(out, "sweep.png"), title=f"{Path(args.solver).name}: training loss")
