@@ -23,6 +23,7 @@ from .deploy import to_torch  # noqa: E402
 from .layers import layer_types as _layer_types  # noqa: E402
 from .layers import register_layer  # noqa: E402  (plugins: @brewnet.register_layer("Type"))
 from .layers.python import Layer  # noqa: E402  (base class of Python layers)
+from .many.merge import merge_indep_net_spec, merge_nets  # noqa: E402  (nideep's merge)
 from .net import NetError  # noqa: E402
 from .proto import caffe_pb2  # noqa: E402
 from .proto.caffe_pb2 import TEST, TRAIN  # noqa: E402
@@ -44,5 +45,5 @@ __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu"
            "set_device", "set_random_seed", "layer_type_list", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
            "Layer", "register_layer", "Classifier", "coord_map", "draw", "layers", "params", "NetSpec",
-           "to_proto", "to_torch", "__version__", "NCCL", "has_nccl", "set_solver_count",
-           "set_solver_rank", "set_multiprocess", "solver_count", "solver_rank", "init_log", "log"]
+           "to_proto", "to_torch", "merge_indep_net_spec", "merge_nets", "__version__", "NCCL",
+           "has_nccl", "set_solver_count", "set_solver_rank", "set_multiprocess", "solver_count", "solver_rank", "init_log", "log"]

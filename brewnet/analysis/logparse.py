@@ -105,11 +105,24 @@ def parse_lines(lines: Iterable[str], year: int | None = None) -> tuple[list, li
     return train.finish(), test.finish()
 
 
-def parse_log(path) -> tuple[list, list]:
-    """(train rows, test rows) of the log file at ``path`` (year from the file's ctime, as Caffe)."""
+def parse_log(path, prefix: str | None = None) -> tuple[list, list]:
+    """(train rows, test rows) of the log file at ``path`` (year from the file's ctime, as Caffe);
+    ``prefix``: only the lines of the solver whose messages start with it (``[s1]``)."""
     year = datetime.datetime.fromtimestamp(os.path.getctime(path)).year
     with open(path, errors="replace") as f:
-        return parse_lines(f, year)
+        return parse_lines(f if prefix is None else with_prefix(f, prefix), year)
+
+
+def with_prefix(lines: Iterable[str], prefix: str) -> list[str]:
+    """The lines whose message (after glog's ``] ``, or the line itself) starts with ``prefix``:
+    one solver's lines of a log several solvers wrote (``brewnet.many``)."""
+    prefix = prefix.strip()
+    out = []
+    for line in lines:
+        head, sep, msg = line.partition("] ")
+        if (msg if sep and GLOG_PREFIX.match(head) else line).startswith(prefix):
+            out.append(line)
+    return out
 
 
 def learning_rates(path) -> tuple[list[float], list[float]]:

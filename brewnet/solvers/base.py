@@ -23,6 +23,7 @@ from ..net import Net
 from ..proto import caffe_pb2 as pb
 from . import snapshot as ss
 from .guards import LossNotFiniteError, nonfinite_origin, signal_effects
+from .logprefix import prefixed
 from .lr_policy import policy
 from .nets import (SolverError, load_solver_param, make_test_nets, make_train_net, pick_device,
                    resolve as _resolve, share_weights)
@@ -56,6 +57,7 @@ class Solver:
     net_class = Net            # pycaffe's solvers build pycaffe Nets
     history_sets = 1           # history blobs per learnable param
     frozen_is_noop = False     # lr_mult 0 leaves param and history untouched: skip it
+    log_prefix = ""            # starts each log line of step/solve/test/snapshot ("[s1] ")
 
     def __init__(self, param, train_feed=None, test_feeds=None, device=None):
         self.param, self._path = load_solver_param(param)
@@ -198,12 +200,19 @@ class Solver:
         return self._requests.pop(0) if self._requests else None
 
     # -- the loop ---------------------------------------------------------------------------
+    @prefixed
     def step(self, iters: int) -> None:
         """Run ``iters`` iterations (Caffe's ``Solver::Step``)."""
+        for _ in self._stepping(iters):
+            pass
+
+    def _stepping(self, iters: int):
+        """``step`` as a generator that yields after each iteration (``brewnet.many`` runs
+        several solvers' iterations in turn)."""
         start_iter, stop_iter = self.iter, self.iter + int(iters)
         self._losses, self.smoothed_loss = [], f32(0)
         try:
-            self._step_loop(start_iter, stop_iter)
+            yield from self._step_loop(start_iter, stop_iter)
         finally:
             self._store_steps()
 
@@ -246,11 +255,19 @@ class Solver:
             if request == "stop":
                 self._early_exit = True
                 break
+            yield
 
+    @prefixed
     def solve(self, resume_file=None, sigint_effect: str | None = None,
               sighup_effect: str | None = None) -> None:
         """Train to ``max_iter`` (Caffe's ``Solver::Solve``). ``sigint_effect``/``sighup_effect``
         ("stop", "snapshot", "none") install handlers for the run, as ``caffe train`` does."""
+        for _ in self.solving(resume_file, sigint_effect, sighup_effect):
+            pass
+
+    def solving(self, resume_file=None, sigint_effect: str | None = None,
+                sighup_effect: str | None = None):
+        """``solve`` as a generator that yields after each iteration."""
         p = self.param
         log.info("Solving %s", self.net.name)
         log.info("Learning Rate Policy: %s", p.lr_policy)
@@ -260,7 +277,7 @@ class Solver:
                 log.info("Restoring previous solver status from %s", resume_file)
                 self.restore(resume_file)
             start_iter = self.iter
-            self.step(p.max_iter - self.iter)
+            yield from self._stepping(p.max_iter - self.iter)
             if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
                 self.snapshot()
             if self._early_exit:
@@ -376,6 +393,7 @@ class Solver:
                 break
             self.test(k)
 
+    @prefixed
     def test(self, k: int = 0) -> dict:
         """Run test net ``k`` for ``test_iter[k]`` batches; returns ``{output: mean}`` and logs
         Caffe's "Test net output" lines."""
@@ -432,6 +450,7 @@ class Solver:
     def _filename(self, ext: str) -> str:
         return f"{self.param.snapshot_prefix}_iter_{self.iter}{ext}"
 
+    @prefixed
     def snapshot(self) -> str:
         """Write ``<prefix>_iter_N.caffemodel[.h5]`` and ``.solverstate[.h5]``; returns the
         solver state's path."""

@@ -1,4 +1,4 @@
-"""``brewnet parse-log LOG [OUTDIR] [--delimiter ,]``: Caffe's ``tools/extra/parse_log.py``.
+"""``brewnet parse-log LOG [OUTDIR] [--delimiter ,] [--prefix "[s1]"]``: Caffe's ``tools/extra/parse_log.py``.
 
 Writes ``OUTDIR/<log name>.train`` and ``.test``: CSV (excel dialect) with columns NumIters,
 Seconds, LearningRate and one per net output, rows as Caffe's script assembles them (see
@@ -15,6 +15,9 @@ def add_arguments(p) -> None:
     p.add_argument("output_dir", nargs="?", default=None,
                    help="folder for the CSV files (default: the log's folder)")
     p.add_argument("--delimiter", "-delimiter", default=",", help="column delimiter (default ',')")
+    p.add_argument("--prefix", "-prefix", default=None, metavar="P",
+                   help="only the lines of the solver whose messages start with P ('[s1]' in a "
+                        "log of several solvers trained together)")
     p.add_argument("--verbose", "-verbose", action="store_true", help="print the files written")
 
 
@@ -37,9 +40,10 @@ def run(args) -> int:
             print(f"brewnet parse-log: {args.log} is not a text log (binary data); nothing parsed",
                   file=sys.stderr)
             return 1
-        train, test = parse_log(args.log)
+        train, test = parse_log(args.log, args.prefix)
         if not train and not test:
-            print(f"brewnet parse-log: {args.log}: no training or test iterations found",
+            where = f" with prefix '{args.prefix}'" if args.prefix else ""
+            print(f"brewnet parse-log: {args.log}: no training or test iterations found{where}",
                   file=sys.stderr)
         paths = save_csv_files(args.log, out_dir, train, test, delimiter=args.delimiter)
     except OSError as e:

@@ -11,11 +11,18 @@ Several workers (``brewnet.parallel``, Caffe 1.0's semantics): ``--gpu 0,1|all``
 device, ``--workers N`` N CPU workers (gloo); under ``torchrun`` each process is one worker.
 Rank 0 alone logs, tests and snapshots. ``--resume auto`` continues from the newest snapshot
 under the solver's prefix (none: from the start), so ``torchrun --max-restarts K`` recovers.
+
+Several ``--solver`` flags train the solvers together in one process (``brewnet.many``): each
+keeps its own rule, schedule and snapshots, its log lines start with ``[s0] ``, ``[s1] ``... (by
+position; ``brewnet parse-log --prefix "[s1]"`` picks one out), and each batch is read once per
+data definition. ``--fuse`` runs them as one fused net (``brewnet.many.fused``; an error naming
+the first layer that differs when they cannot be fused). Data parallel trains one solver.
 """
 from __future__ import annotations
 
 import logging
 import time
+import types
 
 from .common import (USER_ERRORS, CLIError, add_gpu_flag, add_net_state_flags, parse_gpus,
                      prefetching_layers, progress_bar, report, resize_threads_after, size_threads,
@@ -28,8 +35,10 @@ log = logging.getLogger("brewnet")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--solver", "-solver", required=True, metavar="S",
-                   help="the solver definition (.prototxt)")
+    p.add_argument("--solver", "-solver", required=True, metavar="S", action="append",
+                   help="the solver definition (.prototxt); repeat it to train several together")
+    p.add_argument("--fuse", "-fuse", action="store_true",
+                   help="with several --solver of one architecture: train them as one fused net")
     p.add_argument("--weights", "-weights", default="", metavar="W1,W2",
                    help="pretrained .caffemodel(s) to finetune from, separated by ','")
     p.add_argument("--snapshot", "-snapshot", default="", metavar="S",
@@ -49,13 +58,13 @@ def add_arguments(p) -> None:
                    help="on SIGHUP: stop, snapshot or none (default snapshot)")
 
 
-def _solver_param(args):
+def _solver_param(args, solver):
     """The solver file with the command line's overrides, its net paths made absolute so the
     message can be built from anywhere (the Solver resolves them as it does for files)."""
     from ..solvers import load_solver_param
     from ..solvers.nets import resolve
 
-    param, path = load_solver_param(args.solver)
+    param, path = load_solver_param(solver)
     param.train_state.level = args.level
     param.train_state.stage.extend(stages(args.stage))
     if args.snapshot or args.weights:
@@ -71,7 +80,7 @@ def _solver_param(args):
 
 
 def _child_argv(args) -> list[str]:
-    argv = ["train", "--solver", args.solver, "--level", str(args.level), "--timeout", str(args.timeout),
+    argv = ["train", "--solver", args.solver[0], "--level", str(args.level), "--timeout", str(args.timeout),
             "--sigint_effect", args.sigint_effect, "--sighup_effect", args.sighup_effect]
     for flag in ("weights", "snapshot", "gpu", "stage", "resume"):
         if getattr(args, flag):
@@ -114,6 +123,10 @@ def run(args) -> int:
         from ..parallel import plan
 
         world, spawn = plan(args.workers, parse_gpus(args.gpu))
+        many = len(args.solver) > 1 or args.fuse
+        if many and (spawn or world is not None):
+            raise CLIError("several --solver (or --fuse) train in one process; data parallel "
+                           "workers train one solver each")
     except USER_ERRORS as e:
         return report(COMMAND, e)
     if spawn:
@@ -135,6 +148,8 @@ def run(args) -> int:
         (holder[0].request_action if holder else pending.append)(effect)
 
     with signal_effects(request, args.sigint_effect, args.sighup_effect):
+        if many:
+            return _train_many(args, holder, pending)
         return _train(args, holder, pending, world)
 
 
@@ -148,7 +163,7 @@ def _train(args, holder, pending, world) -> int:
 
         if world is not None and world.rank:
             log.setLevel(logging.WARNING)        # Caffe: LOG_IF(INFO, root_solver())
-        param = _solver_param(args)
+        param = _solver_param(args, args.solver[0])
         device = _device(args, param, world)
         if world is not None:
             watch = join(world, device, args.timeout)
@@ -193,5 +208,48 @@ def _train(args, holder, pending, world) -> int:
     wait = sum(l.data_wait_s for l in prefetching_layers(solver.net))
     if wait or prefetching_layers(solver.net):
         log.info("Waited %.3g s for training data: %.1f%% of %.4g s", wait, 100 * wait / (wall or 1), wall)
+    log.info("Optimization Done.")
+    return 0
+
+
+def _train_many(args, holder, pending) -> int:
+    """Several solvers in one process: together over shared data, or fused (``--fuse``)."""
+    try:
+        if args.snapshot:
+            raise CLIError("--snapshot resumes one solver; with several --solver, resume them "
+                           "one at a time")
+        params = [_solver_param(args, s) for s in args.solver]
+        device = _device(args, params[0])
+        for k, f in enumerate(args.solver):
+            log.info("Solver s%d: %s", k, f)
+        if args.fuse:
+            try:
+                from ..many.fused import FusedSolvers
+            except ImportError:
+                raise CLIError("--fuse: the fused engine (brewnet.many.fused) is not in this "
+                               "install; train them together without --fuse") from None
+            runner = FusedSolvers(params, device=device)
+            size_threads(runner.solvers[0].net)
+        else:
+            from ..many.together import TrainTogether
+
+            runner = TrainTogether(params, device=device)
+            runner.size_threads()
+        act = getattr(runner, "request_action", None) or (
+            lambda e: [s.request_action(e) for s in runner.solvers if hasattr(s, "request_action")])
+        holder.append(types.SimpleNamespace(request_action=act))
+        for effect in pending:
+            act(effect)
+        log.info("Starting Optimization")
+        t0 = time.perf_counter()
+        with progress_bar(sum(p.max_iter for p in params), desc="train") as bar:
+            if bar is not None:
+                for s in (s for s in runner.solvers if hasattr(s, "add_callback")):
+                    s.add_callback(on_gradients=lambda r=runner: bar.update(
+                        sum(x.iter for x in r.solvers) + 1 - bar.n))
+            runner.solve()
+    except USER_ERRORS as e:
+        return report(COMMAND, e)
+    log.info("Trained %d solvers in %.4g s", len(params), time.perf_counter() - t0)
     log.info("Optimization Done.")
     return 0

@@ -1,0 +1,277 @@
+"""Train K solvers together in one process, each with its own solver, off one copy of the data.
+
+``TrainTogether([s0, s1, ...], device=None)`` builds each solver as it would be built alone
+(its own random seed, fillers, nets, update rule, lr policy, ``max_iter``, ``test_interval``,
+``display``, ``snapshot`` and ``snapshot_prefix``), then joins the data layers that would make
+the same batches into one ``DataStream``: each batch is read, decoded, transformed and moved to
+the device once, by the first solver's layer, and every net reading that data definition gets
+the same tensors, in the order it would have read them alone. ``solve()`` runs one iteration of
+each solver in turn until each reaches its own ``max_iter``.
+
+Why each net's numbers are those of training alone: a net sees the batches it would have read
+(same definition, same position in the stream); torch's global random stream (Dropout, random
+fillers) is kept per solver and swapped in around each of its iterations; the update, test and
+snapshot code is the Solver's own. So each solver's .caffemodel/.solverstate files are
+byte-identical to training it alone at the same torch thread count (a different thread count
+may round convolutions and matmuls differently). The data tensors are shared read-only: a layer
+that writes into its bottom in place (none of the built-in ones do) would change the others'.
+
+A data definition: the layer's parameters without its name (source, batch size, transform...),
+its phase, the number of tops, the device, and how the solver consumes it (``iter_size`` for a
+train net; ``test_iter``, ``test_interval`` and ``test_initialization`` for a test net), plus,
+when the layer draws random numbers (mirror, a TRAIN crop, rand_skip, shuffle, WindowData), its
+random state. Log lines start with the solver's prefix (``[s0] ``, ``[s1] ``... by position;
+``brewnet parse-log --prefix "[s1]"`` picks one out), and the log says how many data streams
+are read and why a solver could not share one.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+
+import torch
+
+from ..proto import caffe_pb2 as pb
+from ..solvers import Solver, SolverError, get_solver
+from ..solvers.guards import signal_effects
+from ..solvers.logprefix import log_prefix
+from .merge import first_difference, show
+
+log = logging.getLogger("brewnet")
+SHAREABLE = ("Data", "ImageData", "WindowData", "HDF5Data")
+
+
+class DataStream:
+    """The batches of one data layer (the leader's), read once and served to every consumer
+    (a data layer of the same definition) in order; a batch is dropped once all have had it."""
+
+    def __init__(self, layer, definition, who: str):
+        self.layer, self.definition, self.who = layer, definition, who
+        self._read = type(layer).forward.__get__(layer)
+        self._batches: collections.deque = collections.deque()
+        self._base = 0
+        self._pos: dict = {}
+        self.reads = 0            # batches read from the source
+        self.consumers: list[str] = []
+
+    def attach(self, layer, consumer, who: str) -> None:
+        self._pos[consumer] = self._base
+        self.consumers.append(who)
+        layer.forward = functools.partial(self._take, consumer)
+        if layer is not self.layer and getattr(layer, "prefetcher", None) is not None:
+            layer.prefetcher.close()      # never started: it read nothing
+            layer.prefetcher = None
+
+    def detach(self, consumer) -> None:
+        self._pos.pop(consumer, None)
+        self._trim()
+
+    def _take(self, consumer, bottoms):
+        if consumer not in self._pos:
+            raise SolverError(f"solver {consumer[0]} has finished solving and its data stream has "
+                              "moved on; train it further in a new TrainTogether")
+        i = self._pos[consumer] - self._base
+        if i == len(self._batches):
+            self._batches.append(self._read(bottoms))
+            self.reads += 1
+        out = self._batches[i]
+        self._pos[consumer] += 1
+        self._trim()
+        return list(out)
+
+    def _trim(self) -> None:
+        low = min(self._pos.values(), default=self._base + len(self._batches))
+        while self._base < low and self._batches:
+            self._batches.popleft()
+            self._base += 1
+
+
+def _random(layer) -> bool:
+    p = layer.param
+    t = p.transform_param
+    return (layer.type == "WindowData" or t.mirror or (t.crop_size > 0 and layer.phase == pb.TRAIN)
+            or p.data_param.rand_skip > 0 or p.image_data_param.rand_skip > 0
+            or p.image_data_param.shuffle or p.hdf5_data_param.shuffle)
+
+
+def _rng_states(layer) -> str:
+    loader = getattr(layer, "loader", None)
+    owners = (layer, loader, getattr(loader, "tf", None))
+    return repr([o.rng.bit_generator.state for o in owners if getattr(o, "rng", None) is not None])
+
+
+def definition(layer, net, solver, test_index=None) -> tuple:
+    """(layer parameters without the name, [(field, value)] of the rest): equal for two layers
+    that make the same batches for solvers that consume them alike."""
+    lp = pb.LayerParameter()
+    lp.CopyFrom(layer.param)
+    for f in ("name", "top", "include", "exclude"):
+        lp.ClearField(f)
+    p = solver.param
+    rest = [("phase", pb.Phase.Name(layer.phase)), ("number of tops", len(layer.param.top)),
+            ("device", str(net.device))]
+    if test_index is None:
+        rest.append(("iter_size", p.iter_size))
+    else:
+        rest += [("test_iter", p.test_iter[test_index]), ("test_interval", p.test_interval),
+                 ("test_initialization", p.test_initialization)]
+    if _random(layer):
+        rest.append(("random state of its transform/shuffling (random_seed)", _rng_states(layer)))
+    return lp, rest
+
+
+def _difference(a, b):
+    d = first_difference(a[0], b[0])
+    if d:
+        return f"{d[0]} ({show(d[1])} vs {show(d[2])})"
+    for (name, x), (_, y) in zip(a[1], b[1]):
+        if x != y:
+            return name if "random" in name else f"{name} ({x!r} vs {y!r})"
+    return None
+
+
+def share_data(solvers, prefixes) -> list[DataStream]:
+    """Join the solvers' data layers into streams by definition; log the grouping."""
+    streams: list[DataStream] = []
+    for k, s in enumerate(solvers):
+        nets = [(s.net, None)] + [(n, i) for i, n in enumerate(s.test_nets)]
+        for role, (net, ti) in enumerate(nets):
+            for j, layer in enumerate(net.layer_list):
+                if layer.type not in SHAREABLE:
+                    continue
+                d = definition(layer, net, s, ti)
+                who = f"{prefixes[k].strip()} {'train' if ti is None else f'test#{ti}'} '{layer.name}'"
+                stream = next((st for st in streams if _difference(st.definition, d) is None), None)
+                if stream is None:
+                    like = next((st for st in streams if st.layer.type == layer.type
+                                 and st.definition[1][0] == d[1][0]), None)
+                    if like is not None:
+                        log.info("%s reads its own data stream: %s differs from %s", who,
+                                 _difference(like.definition, d), like.who)
+                    stream = DataStream(layer, d, who)
+                    streams.append(stream)
+                stream.attach(layer, (k, role, j), who)
+    return streams
+
+
+class TrainTogether:
+    """K solvers in one process over shared data streams (see the module docstring).
+
+    ``solvers``: solver files, SolverParameters (net paths resolvable from here) or Solver
+    objects (built ones keep the random state they have; pass files or messages for numbers
+    equal to training alone). ``prefixes``: log prefixes (default ``[s0] ``, ``[s1] ``...).
+    ``registry``: the solver classes by type (pycaffe's, to get pycaffe Nets).
+    """
+
+    def __init__(self, solvers, device=None, prefixes=None, registry=None):
+        if not solvers:
+            raise SolverError("train together: no solvers given")
+        self.prefixes = list(prefixes) if prefixes else [f"[s{k}] " for k in range(len(solvers))]
+        self.solvers: list[Solver] = []
+        self._rng: list = []
+        for s, prefix in zip(solvers, self.prefixes):
+            with log_prefix(prefix):
+                solver = s if isinstance(s, Solver) else get_solver(s, registry=registry, device=device)
+            solver.log_prefix = prefix
+            self.solvers.append(solver)
+            self._rng.append(self._rng_state(solver))
+        self._check_prefixes()
+        self.streams = share_data(self.solvers, self.prefixes)
+        log.info("Training %d solvers together on %d data stream(s)", len(self.solvers),
+                 len(self.streams))
+        for st in self.streams:
+            log.info("Data stream of %s: read for %s", st.who, ", ".join(st.consumers))
+
+    def _check_prefixes(self) -> None:
+        seen = {}
+        for k, s in enumerate(self.solvers):
+            if not s.param.snapshot and not s.param.snapshot_after_train:
+                continue
+            other = seen.setdefault(s.param.snapshot_prefix, k)
+            if other != k:
+                raise SolverError(f"solvers {other} and {k} both snapshot to prefix "
+                                  f"'{s.param.snapshot_prefix}'; give each its own snapshot_prefix")
+
+    @staticmethod
+    def _rng_state(solver):
+        cuda = solver.device.type == "cuda"
+        return torch.get_rng_state(), (torch.cuda.get_rng_state(solver.device) if cuda else None)
+
+    def _advance(self, k: int, run) -> bool:
+        """One iteration of solver ``k`` with its own random state and prefix; False when done."""
+        s = self.solvers[k]
+        cpu, cuda = self._rng[k]
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, s.device)
+        try:
+            with log_prefix(self.prefixes[k]):
+                next(run)
+            return True
+        except StopIteration:
+            return False
+        except (ValueError, OSError, FloatingPointError) as e:
+            e.args = (f"solver {k} ({self.prefixes[k].strip()}): {e}",) + e.args[1:]
+            raise
+        finally:
+            self._rng[k] = self._rng_state(s)
+
+    def _run(self, runs, detach: bool, on_finished=None) -> None:
+        active = list(range(len(runs)))
+        while active:
+            for k in list(active):
+                if not self._advance(k, runs[k]):
+                    active.remove(k)
+                    if detach:
+                        self.finished(k)
+                    if on_finished is not None:
+                        on_finished(k)
+
+    def finished(self, k: int) -> None:
+        """Solver ``k`` reads no more (it solved to max_iter): its streams stop keeping batches
+        for it. ``step`` does not call this: the solvers stay in step for the next call."""
+        for st in self.streams:
+            for c in [c for c in st._pos if c[0] == k]:
+                st.detach(c)
+
+    def request_action(self, action: str) -> None:
+        """"stop" or "snapshot" for every solver at its next check (the signal handlers)."""
+        for s in self.solvers:
+            s.request_action(action)
+
+    def step(self, iters: int) -> None:
+        """``iters`` iterations of each solver, in turn."""
+        self._run([s._stepping(iters) for s in self.solvers], detach=False)
+
+    def solve(self, resume_files=None, sigint_effect: str | None = None,
+              sighup_effect: str | None = None, on_finished=None) -> None:
+        """Each solver to its own ``max_iter`` (``resume_files``: a .solverstate or None per
+        solver); the signal handlers act on all of them; ``on_finished(k)`` is called as
+        solver ``k`` ends."""
+        resume = list(resume_files) if resume_files else [None] * len(self.solvers)
+        with signal_effects(self.request_action, sigint_effect, sighup_effect):
+            self._run([s.solving(r) for s, r in zip(self.solvers, resume)], True, on_finished)
+
+    def size_threads(self, data_busy: float | None = None) -> int:
+        """Torch's threads, once for the whole process: next to the streams' producers (a core
+        per image-decoding stream unless measured ``data_busy`` says otherwise)."""
+        import os
+
+        from ..data.prefetch import plan_threads
+
+        if os.environ.get("OMP_NUM_THREADS", "").strip():
+            return torch.get_num_threads()
+        if data_busy is None:
+            data_busy = float(sum(st.layer.type in ("ImageData", "WindowData") for st in self.streams
+                                  if getattr(st.layer, "prefetcher", None) is not None))
+        n = plan_threads(data_busy)
+        log.info("Using %d torch thread(s) for %d solvers", n, len(self.solvers))
+        return n
+
+
+def train_together(solvers, device=None, **kw) -> TrainTogether:
+    """Build ``TrainTogether(solvers, device)`` and solve; returns it (``.solvers``)."""
+    t = TrainTogether(solvers, device=device)
+    t.solve(**kw)
+    return t

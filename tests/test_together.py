@@ -1,0 +1,221 @@
+"""Train together (``brewnet.many.TrainTogether``, ``brewnet train --solver A --solver B``):
+K solvers of different types and lr policies over one LMDB write exactly the snapshots each
+writes alone, reading every record once per batch; the log tells the solvers apart."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from brewnet.analysis.logparse import parse_lines
+from brewnet.cli import main
+from brewnet.data import db
+from brewnet.data.db import open_writer
+from brewnet.data.transform import chw_to_datum
+from brewnet.many import TrainTogether
+from brewnet.solvers import get_solver
+
+NET = """name: "small"
+layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TRAIN }}
+  transform_param {{ scale: 0.00390625 }}
+  data_param {{ source: "{lmdb}" batch_size: {batch} backend: LMDB prefetch: {prefetch} }} }}
+layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TEST }}
+  transform_param {{ scale: 0.00390625 }}
+  data_param {{ source: "{lmdb}" batch_size: 10 backend: LMDB prefetch: {prefetch} }} }}
+layer {{ name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param {{ num_output: 4 kernel_size: 3 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "pool" type: "Pooling" bottom: "conv" top: "pool"
+  pooling_param {{ pool: MAX kernel_size: 2 stride: 2 }} }}
+layer {{ name: "ip1" type: "InnerProduct" bottom: "pool" top: "ip1"
+  inner_product_param {{ num_output: 16 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "relu" type: "ReLU" bottom: "ip1" top: "ip1" }}
+layer {{ name: "drop" type: "Dropout" bottom: "ip1" top: "ip1" dropout_param {{ dropout_ratio: 0.3 }} }}
+layer {{ name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+  inner_product_param {{ num_output: 10 weight_filler {{ type: "gaussian" std: 0.1 }} }} }}
+layer {{ name: "acc" type: "Accuracy" bottom: "ip2" bottom: "label" top: "acc" include {{ phase: TEST }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }}
+"""
+
+SOLVERS = {   # SGD/step, Adam/fixed, Nesterov/inv: own seeds, schedules and snapshots
+    "sgd": 'type: "SGD" base_lr: 0.05 lr_policy: "step" gamma: 0.5 stepsize: 4 momentum: 0.9 '
+           'weight_decay: 0.0005 max_iter: 12 snapshot: 5 display: 3 random_seed: 11',
+    "adam": 'type: "Adam" base_lr: 0.01 lr_policy: "fixed" momentum: 0.9 momentum2: 0.999 '
+            'delta: 1e-8 max_iter: 10 snapshot: 4 display: 2 random_seed: 12',
+    "nesterov": 'type: "Nesterov" base_lr: 0.02 lr_policy: "inv" gamma: 0.1 power: 0.75 '
+                'momentum: 0.8 weight_decay: 0.001 max_iter: 14 snapshot: 7 display: 7 '
+                'random_seed: 13',
+}
+
+
+@pytest.fixture
+def setup(tmp_path):
+    rng = np.random.default_rng(4)
+    lmdb = tmp_path / "digits_lmdb"
+    with open_writer(str(lmdb)) as w:
+        for i in range(50):
+            w.put(f"{i:08d}", chw_to_datum(rng.integers(0, 256, (1, 10, 10), dtype=np.uint8),
+                                           int(rng.integers(10))).SerializeToString())
+
+    def write(batch=8, prefetch=0, **extra):
+        net = tmp_path / f"net_{batch}_{prefetch}.prototxt"
+        net.write_text(NET.format(lmdb=lmdb, batch=batch, prefetch=prefetch))
+        files = []
+        for name, text in SOLVERS.items():
+            text += f' net: "{net}" test_iter: 2 test_interval: {extra.get(name, 5)} ' \
+                    f'snapshot_prefix: "{tmp_path / name}" solver_mode: CPU'
+            f = tmp_path / f"{name}_solver_{batch}_{prefetch}.prototxt"
+            f.write_text(text)
+            files.append(str(f))
+        return files
+    return tmp_path, write
+
+
+@pytest.fixture
+def record_reads(monkeypatch):
+    count = {"n": 0}
+    orig = db.Cursor.next
+
+    def counted(self):
+        count["n"] += 1
+        return orig(self)
+    monkeypatch.setattr(db.Cursor, "next", counted)
+    return count
+
+
+def snapshots(folder, take=True):
+    """{name: bytes} of the snapshot files in ``folder``, removed when ``take``."""
+    out = {}
+    for p in sorted(folder.glob("*_iter_*")):
+        out[p.name] = p.read_bytes()
+        if take:
+            p.unlink()
+    return out
+
+
+def test_three_solvers_write_the_files_they_write_alone(setup, record_reads):
+    folder, write = setup
+    files = write()
+    reads_alone = []
+    for f in files:
+        before = record_reads["n"]
+        get_solver(f).solve()
+        reads_alone.append(record_reads["n"] - before)
+    alone = snapshots(folder)
+    assert len(alone) == 2 * (3 + 3 + 2)          # iters 5, 10, 12 (after training); 4, 8, 10; 7, 14
+    before = record_reads["n"]
+    t = TrainTogether(files)
+    t.solve()
+    together = snapshots(folder)
+    assert together.keys() == alone.keys()
+    for name in alone:
+        assert together[name] == alone[name], name
+    # One stream for the three train nets and one for the three test nets: every record read
+    # once per batch, as many as the longest solver alone reads (14 iterations + the tests).
+    assert len(t.streams) == 2
+    assert record_reads["n"] - before == max(reads_alone)
+    assert [s.iter for s in t.solvers] == [12, 10, 14]
+    a, b = (np.frombuffer(alone[n], np.uint8) for n in ("sgd_iter_10.caffemodel", "adam_iter_10.caffemodel"))
+    assert a.size != b.size or (a != b).any()
+
+
+def test_prefetching_streams_and_a_test_schedule_of_its_own(setup, caplog):
+    folder, write = setup
+    files = write(prefetch=3, nesterov=7)      # nesterov tests on another schedule
+    for f in files:
+        get_solver(f).solve()
+    alone = snapshots(folder)
+    caplog.set_level("INFO", logger="brewnet")
+    t = TrainTogether(files)
+    t.solve()
+    assert snapshots(folder) == alone
+    assert len(t.streams) == 3
+    text = caplog.text
+    assert "Training 3 solvers together on 3 data stream(s)" in text
+    assert ("[s2] test#0 'data' reads its own data stream: test_interval (5 vs 7) differs from "
+            "[s0] test#0 'data'") in text
+
+
+def test_streams_by_data_definition(setup, caplog):
+    folder, write = setup
+    small, big = write(batch=8), write(batch=16)
+    caplog.set_level("INFO", logger="brewnet")
+    t = TrainTogether([small[0], big[1], small[2]])
+    assert [len(st.consumers) for st in t.streams] == [2, 3, 1]     # train (8), test, train (16)
+    assert "data_param.batch_size (8 vs 16)" in caplog.text
+
+
+def test_same_snapshot_prefix_is_refused(setup):
+    _, write = setup
+    files = write()
+    with pytest.raises(ValueError, match="both snapshot to prefix"):
+        TrainTogether([files[0], files[0]])
+
+
+def test_cli_log_prefixes_parse_per_solver(setup, capsys):
+    folder, write = setup
+    files = write()
+    argv = ["train"] + [x for f in files for x in ("--solver", f)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "Training 3 solvers together on 2 data stream(s)" in err
+    lines = err.splitlines()
+    for k, (iters, display) in enumerate([(12, 3), (10, 2), (14, 7)]):
+        mine = [l for l in lines if f"] [s{k}] " in l]
+        train, test = parse_lines(mine)
+        assert [r["NumIters"] for r in train] == list(range(0, iters, display))
+        assert [r["NumIters"] for r in test] == list(range(0, iters + 1, 5))
+    log = folder / "train.log"
+    log.write_text(err)
+    assert main(["parse-log", str(log), str(folder), "--prefix", "[s1]"]) == 0
+    rows = (folder / "train.log.train").read_text().splitlines()
+    assert len(rows) == 1 + 5                     # header + iterations 0, 2, ..., 8
+    assert snapshots(folder, take=False).keys() >= {"adam_iter_10.solverstate", "sgd_iter_12.caffemodel"}
+
+
+def test_cli_bad_input(setup, capsys):
+    _, write = setup
+    files = write()
+    assert main(["train", "--solver", files[0], "--solver", files[1], "--snapshot", "x.solverstate"]) == 1
+    assert "one solver" in capsys.readouterr().err
+    assert main(["train", "--solver", files[0], "--solver", files[0]]) == 1
+    err = capsys.readouterr().err
+    assert "both snapshot to prefix" in err and "Traceback" not in err
+
+
+def test_fuse_errors_are_one_clean_line(setup, capsys, monkeypatch):
+    """--fuse hands the solvers to brewnet.many.fused (a stand-in here, refusing as the real one
+    refuses nets of different architectures); its error is the command's one-line error."""
+    import sys
+    import types
+
+    _, write = setup
+    files = write()
+    fake = types.ModuleType("brewnet.many.fused")
+
+    class FuseError(ValueError):
+        pass
+
+    def refuse(params, device=None):
+        assert len(params) == 2 and all(p.net.endswith(".prototxt") for p in params)
+        raise FuseError("layer 'conv' differs: num_output 4 vs 8")
+    fake.FuseError, fake.FusedSolvers = FuseError, refuse
+    monkeypatch.setitem(sys.modules, "brewnet.many.fused", fake)
+    assert main(["train", "--fuse", "--solver", files[0], "--solver", files[1]]) == 1
+    err = capsys.readouterr().err
+    assert "brewnet train: layer 'conv' differs: num_output 4 vs 8" in err and "Traceback" not in err
+
+
+def test_step_calls_keep_every_net_on_its_own_batches(setup):
+    _, write = setup
+    files = write()
+    alone = []
+    for f in files:
+        s = get_solver(f)
+        s.step(3)
+        s.step(4)
+        alone.append([b.detach().clone() for b in s.net.learnable])
+    t = TrainTogether(files)
+    t.step(3)
+    t.step(4)
+    for s, ref in zip(t.solvers, alone):
+        assert all(torch.equal(a.detach(), b) for a, b in zip(s.net.learnable, ref))
