@@ -1,0 +1,1 @@
+"""Many networks in one process: merging nets, training them together, fusing them."""
