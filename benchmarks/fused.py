@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from brewnet.data.db import open_writer  # noqa: E402
 from brewnet.data.transform import chw_to_datum  # noqa: E402
 from brewnet.many.fused import FusedSolvers  # noqa: E402
+from brewnet.net import _nhwc  # noqa: E402
 from brewnet.proto import caffe_pb2 as pb  # noqa: E402
 from brewnet.proto.io import parse_text  # noqa: E402
 from brewnet.solvers import SOLVERS  # noqa: E402
@@ -109,7 +110,7 @@ def lenet_wide(p, x, y, nhwc: bool):
     w1, b1, w2, b2, w3, b3, w4, b4 = p
     k, n = w1.shape[0], x.shape[0]
     if nhwc:
-        x = x.contiguous(memory_format=torch.channels_last)
+        x = _nhwc(x)                       # NHWC strides even for one channel
     h = F.max_pool2d(F.conv2d(x, w1.flatten(0, 1), b1.flatten()), 2, 2)
     h = F.max_pool2d(F.conv2d(h, w2.flatten(0, 1), b2.flatten(), groups=k), 2, 2)
     h = h.reshape(n, k, -1).transpose(0, 1)

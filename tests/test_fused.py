@@ -13,26 +13,43 @@ import torch
 
 from brewnet.data.db import open_writer
 from brewnet.data.transform import chw_to_datum
-from brewnet.many.fused import FuseError, FusedSolvers
+from brewnet.many.fused import FuseError, FusedSolvers, as_dtype
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import parse_text, read_binary
 from brewnet.solvers import SOLVERS
 
 LENET = Path(__file__).resolve().parents[1] / "examples/mnist/lenet_train_test.prototxt"
-# float32 tolerance after 100 steps: the fused convolution and batched matmuls sum in another
-# order than each net's own kernels (differences of ~1 ulp per step, carried by training).
-RTOL, ATOL = 1e-4, 1e-6
+# Fused vs alone, as max|fused - alone| / max|alone| per param blob. In float64 the fused
+# algorithm is the net's own to rounding (F64_TOL). In float32 it is not bitwise: the fused
+# convolutions (NHWC, grouped) and batched matmuls sum in another order than each net's own
+# kernels (~1e-7 after one step), and training carries that on; a max-pooling window whose two
+# largest values lie within an ulp routes its gradient to the other one (a few per LeNet step),
+# and Adam's m / sqrt(v) rescales the rounding of gradients that cancel over the batch. Measured
+# here after 100 steps: 5e-7 to 3e-3 per net; the same net alone on 1 vs 2 torch threads, or
+# started one ulp away, parts by as much (up to 3e-3). F32_TOL bounds that.
+F64_TOL = 1e-10
+F32_TOL = 2e-2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: the suite runs in parallel workers on a small machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _lmdb(path, n, seed):
-    """Digits-like records: a bright 6x6 patch whose place is the label, on noise."""
+    """Digits-like records: a bright 6x6 patch whose place is the label, on noise (noisy
+    everywhere: no exact ties for max pooling to break one way alone and another fused)."""
     rng = np.random.default_rng(seed)
     with open_writer(str(path)) as w:
         for i in range(n):
             label = int(rng.integers(10))
             img = rng.integers(0, 60, (1, 28, 28), dtype=np.uint8)
             r, c = divmod(label, 4)
-            img[0, 2 + 7 * r:8 + 7 * r, 2 + 6 * c:8 + 6 * c] = 250
+            img[0, 2 + 7 * r:8 + 7 * r, 2 + 6 * c:8 + 6 * c] = rng.integers(180, 256, (6, 6))
             w.put(f"{i:08d}", chw_to_datum(img, label).SerializeToString())
 
 
@@ -64,15 +81,18 @@ def _alone(p):
     return s
 
 
-def _close(fused, alone):
-    worst = 0.0
-    for a, b in zip(fused.net.learnable, alone.net.learnable):
-        a, b = a.detach().double(), b.detach().double()
-        assert torch.allclose(a, b, rtol=RTOL, atol=ATOL), (a - b).abs().max()
-        worst = max(worst, float(((a - b).abs() / (b.abs() + ATOL)).max()))
-    for name, v in alone.test_scores[0].items():
-        assert fused.test_scores[0][name] == pytest.approx(v, rel=1e-3, abs=2e-3), name
-    return worst
+def _diff(x, y) -> float:
+    return max(float((a.detach().double() - b.detach().double()).abs().max() / b.detach().abs().max())
+               for a, b in zip(x.net.learnable, y.net.learnable))
+
+
+def _close(fused, alone, param, tol):
+    rel = _diff(fused, alone)
+    assert rel <= tol
+    images = param.test_iter[0] * 50
+    for name, v in alone.test_scores[0].items():     # within one image / the same tolerance
+        assert fused.test_scores[0][name] == pytest.approx(v, rel=tol, abs=1.01 / images), name
+    return rel
 
 
 @pytest.mark.parametrize("kind", ["SGD", "Adam"])
@@ -83,32 +103,42 @@ def test_four_lenets_fused_equal_each_alone(lenet, kind):
     fs = FusedSolvers(params, device="cpu")
     fs.solve()
     alone = [_alone(p) for p in params]
-    for f, a in zip(fs.solvers, alone):
+    got = []
+    for f, a, p in zip(fs.solvers, alone, params):
         assert f.iter == a.iter == 100
-        _close(f, a)
+        got.append(_close(f, a, p, F32_TOL))
+    print(f"{kind} float32, 100 steps: relative difference per net {['%.1e' % r for r in got]}")
     # The nets really differ (own seeds and rates), so agreement above is not trivial.
     w = [f.net.learnable[0].detach() for f in fs.solvers]
     assert not torch.allclose(w[0], w[1])
 
 
-def test_mixed_solver_types_and_max_iters(lenet):
-    """SGD and Adam nets in one fused run, stacked by type, with their own max_iter."""
-    params = [solver(lenet, 0, type="Adam", base_lr=0.001, lr_policy="fixed", max_iter=40),
-              solver(lenet, 1, type="SGD", max_iter=60),
-              solver(lenet, 2, type="Nesterov", base_lr=0.005, max_iter=60),
-              solver(lenet, 3, type="SGD", base_lr=0.02, clip_gradients=0.5, max_iter=30)]
+def test_mixed_solver_types_max_iters_and_clipping_in_float64(lenet):
+    """SGD, Nesterov and Adam nets in one fused run (stacked by type), each with its own
+    max_iter, one clipping its gradients: in float64 each equals the net alone."""
+    params = [solver(lenet, 0, type="Adam", base_lr=0.001, lr_policy="fixed", max_iter=12),
+              solver(lenet, 1, type="SGD", max_iter=16),
+              solver(lenet, 2, type="Nesterov", base_lr=0.005, lr_policy="step", stepsize=5,
+                     gamma=0.5, max_iter=16),
+              solver(lenet, 3, type="SGD", base_lr=0.02, clip_gradients=0.5, max_iter=8,
+                     regularization_type="L1")]
     for p in params:
-        p.test_interval = 30
-    fs = FusedSolvers(params, device="cpu")
+        p.test_interval = 4
+    fs = FusedSolvers(params, device="cpu", dtype=torch.float64)
+    assert [k for k in fs.order] == [0, 2, 1, 3]
     fs.solve()
+    got = []
     for f, p in zip(fs.solvers, params):
-        a = _alone(p)
+        a = SOLVERS[p.type](p, device="cpu")
+        as_dtype(a, torch.float64)
+        a.solve()
         assert f.iter == a.iter == p.max_iter
-        _close(f, a)
+        got.append(_close(f, a, p, F64_TOL))
+    print(f"float64: relative difference per net {['%.1e' % r for r in got]}")
 
 
 def test_log_lines_carry_the_net_prefix(lenet, caplog):
-    params = [solver(lenet, k, max_iter=50) for k in range(2)]
+    params = [solver(lenet, k, max_iter=30, test_interval=30) for k in range(2)]
     with caplog.at_level(logging.INFO, logger="brewnet"):
         FusedSolvers(params, device="cpu").solve()
     lines = [r.getMessage() for r in caplog.records]
@@ -138,7 +168,8 @@ def test_snapshots_named_and_formatted_as_alone(lenet, tmp_path):
         assert st.learned_net == str(tmp_path / f"fused1_iter_{it}.caffemodel")
         assert len(st.history) == len(st_ref.history)
         for h, r in zip(st.history, st_ref.history):
-            np.testing.assert_allclose(h.data, r.data, rtol=RTOL, atol=ATOL)
+            h, r = np.asarray(h.data), np.asarray(r.data)
+            assert h.shape == r.shape and np.abs(h - r).max() <= F32_TOL * np.abs(r).max()
     assert sorted(p.name for p in tmp_path.glob("fused0_*")) == [
         "fused0_iter_10.caffemodel", "fused0_iter_10.solverstate",
         "fused0_iter_20.caffemodel", "fused0_iter_20.solverstate"]

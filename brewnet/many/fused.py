@@ -62,19 +62,30 @@ def net_prefix(k: int):
 
 def _col(values, like: torch.Tensor) -> torch.Tensor:
     """Per-net float32 scalars as a (m, 1, ...) column broadcasting over ``like`` (m, ...)."""
-    return torch.tensor(np.asarray(values, dtype=np.float32), device=like.device).view(
-        -1, *([1] * (like.dim() - 1)))
+    return torch.tensor(np.asarray(values, dtype=np.float32), device=like.device).to(
+        like.dtype).view(-1, *([1] * (like.dim() - 1)))
 
 
-# -- update rules over a slice of stacked nets (Caffe's ComputeUpdateValue, K at once) ---------
+def as_dtype(solver, dtype) -> None:
+    """Cast a solver's nets and histories (float64 runs check the fused algorithm without
+    float32 rounding in the way)."""
+    solver.net.to(dtype=dtype)
+    for net in solver.test_nets:
+        net.to(dtype=dtype)
+        solver.share_weights(net)
+    solver.history = [h.to(dtype) for h in solver.history]
+
+
+# -- update rules over a slice of stacked nets (Caffe's ComputeUpdateValue, K at once): p, g
+# and the history sets are (m, ...) slices, ``rate`` the m nets' float32 local rates ----------
 def _sgd(solvers, p, g, hist, i, rate):
-    h = hist[0]
+    h, rate = hist[0], _col(rate, p)
     h.mul_(_col([s.param.momentum for s in solvers], h)).addcmul_(g, rate)
     p.sub_(h)
 
 
 def _nesterov(solvers, p, g, hist, i, rate):
-    h = hist[0]
+    h, rate = hist[0], _col(rate, p)
     m = _col([s.param.momentum for s in solvers], h)
     prev = h.clone()
     h.mul_(m).addcmul_(g, rate)
@@ -91,7 +102,7 @@ def _adam(solvers, p, g, hist, i, rate):
     m.mul_(_col(b1, m)).addcmul_(g, _col([f32(1) - x for x in b1], m))
     v.mul_(_col(b2, v)).addcmul_(g * g, _col([f32(1) - y for y in b2], v))
     step = m / v.sqrt().add_(_col([s.param.delta for s in solvers], v))
-    p.sub_(step.mul_(rate * _col(corr, rate)))
+    p.sub_(step.mul_(_col([r * c for r, c in zip(rate, corr)], p)))
 
 
 UPDATES = {"SGD": _sgd, "Nesterov": _nesterov, "Adam": _adam}
@@ -99,10 +110,12 @@ UPDATES = {"SGD": _sgd, "Nesterov": _nesterov, "Adam": _adam}
 
 class FusedSolvers:
     """K solvers trained as one fused net; ``solvers[k]`` is net k's own Solver (``.iter``,
-    ``.net``, ``.test_nets``, ``.snapshot()`` as alone)."""
+    ``.net``, ``.test_nets``, ``.snapshot()`` as alone). ``dtype``: cast the nets (float64 for
+    checks; Caffe's numbers are float32, the default)."""
 
-    def __init__(self, solver_params, device=None):
-        params = [load_solver_param(p)[0] if not hasattr(p, "base_lr") else p for p in solver_params]
+    def __init__(self, solver_params, device=None, dtype=None):
+        sources = list(solver_params)            # messages or solver files
+        params = [load_solver_param(p)[0] for p in sources]
         if not params:
             raise FuseError("FusedSolvers needs at least one solver")
         for k, p in enumerate(params):
@@ -115,9 +128,11 @@ class FusedSolvers:
             if p.snapshot_diff:
                 raise FuseError(f"solver {k}: snapshot_diff is not kept by fused training")
         self.solvers = []
-        for k, p in enumerate(params):
-            with net_prefix(k):
-                self.solvers.append(SOLVERS[p.type](p, device=device))
+        for k, (src, p) in enumerate(zip(sources, params)):
+            with net_prefix(k):                  # each net built alone: its own random_seed
+                self.solvers.append(SOLVERS[p.type](src, device=device))
+            if dtype is not None:
+                as_dtype(self.solvers[-1], dtype)
         if len({s.device for s in self.solvers}) > 1:
             raise FuseError("fused solvers must all run on one device, got "
                             f"{sorted(str(s.device) for s in self.solvers)}")
@@ -297,7 +312,9 @@ class FusedSolvers:
         clips = [f32(self.solvers[k].param.clip_gradients) for k in run]
         if all(c < 0 for c in clips) or not grads:
             return
-        sq = torch.stack([g.float().pow(2).flatten(1).sum(1) for g in grads]).sum(0)
+        # Each net's norm summed as alone (per blob, then over blobs): the same float32 scale.
+        sq = torch.stack([torch.stack([g[j].float().pow(2).sum() for g in grads]).sum()
+                          for j in range(len(run))])
         scales = []
         for k, c, s2 in zip(run, clips, sq.cpu().numpy()):
             norm = f32(math.sqrt(float(s2)))
@@ -322,5 +339,4 @@ class FusedSolvers:
             reg = p if not any(l1) else torch.sign(p) if all(l1) else torch.where(
                 _col(l1, p).bool(), torch.sign(p), p)
             g.addcmul_(reg, _col(decay, p))
-        rate = _col([f32(r) * f32(s.net.lr_mults[i]) for r, s in zip(rates, solvers)], p)
-        rule(solvers, p, g, hist, i, rate)
+        rule(solvers, p, g, hist, i, [f32(r) * f32(s.net.lr_mults[i]) for r, s in zip(rates, solvers)])

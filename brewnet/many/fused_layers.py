@@ -212,6 +212,11 @@ class FusedNet:
                 raise FuseError(f"layer '{layer.name}' of type {layer.type} has no fused form "
                                 f"(fused: data layers, {', '.join(sorted(WIDE))})")
         self.channels = {n: (s[1] if len(s) > 1 else None) for n, s in ref.shapes.items()}
+        for net in nets[1:]:                     # one data stream: the others stop reading ahead
+            for layer in net.layer_list:
+                if getattr(layer, "prefetcher", None) is not None:
+                    layer.prefetcher.close()
+                    layer.prefetcher = None       # (a forward of that net alone still reads)
         self.params, self.layer_params = stack_params(nets)
 
     def forward(self):
