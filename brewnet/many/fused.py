@@ -1,0 +1,342 @@
+"""Fused training: K solvers over nets of one architecture as one net of wide operators, their
+update rules applied in one pass over stacked parameters and histories (HFTA, MLSys 2021).
+
+``FusedSolvers(solver_params, device=None)`` builds each net alone with its own solver (so its
+fillers draw from its own ``random_seed``, exactly as it would alone), checks the nets are one
+architecture (``FuseError`` names the first layer and field that differ; a sweep may vary
+fillers, lr_mult/decay_mult and every solver field but ``iter_size``), then stacks their
+parameters and histories (``fused_layers.stack_params``): each net's layers keep views of its
+row, so ``fs.solvers[k].net``, its test nets and its ``snapshot()`` see the fused values with
+no copy. One data layer (net 0's) is read per batch and fed to all K.
+
+Each net keeps its own solver type, lr policy, momentum, decay, regularisation, clipping,
+``display``, ``test_interval``/``test_iter`` (its own test nets, run as it would alone: its
+outputs are exactly its Test lines), ``snapshot``/``snapshot_prefix`` and ``max_iter``; its log
+lines start with ``[sK] ``. Updates are grouped by solver type: nets are stacked sorted by (type,
+-max_iter), so each group is a contiguous slice whose still-running nets are a prefix of it.
+
+Not bitwise equal to training alone (the tests measure how close): the wide convolution and the
+batched matmuls sum in another order than each net's own kernels, and the update uses broadcast
+per-net scalars rather than the single-net fused SGD kernel. Dropout masks and random transforms
+come from one stream for all K (alone, each net draws its own).
+
+Formulation, chosen by measurement (``benchmarks/fused.py --formulations``, 2-core CPU, forward
++ backward + update of K nets): see the table in that script's output, summarised here:
+FORMULATION_NOTE
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+
+import numpy as np
+import torch
+
+from ..solvers import SOLVERS
+from ..solvers.guards import LossNotFiniteError
+from ..solvers.lr_policy import policy
+from ..solvers.nets import load_solver_param
+from .fused_layers import FuseError, FusedNet
+
+log = logging.getLogger("brewnet")
+f32 = np.float32
+__all__ = ["FusedSolvers", "FuseError"]
+
+
+@contextlib.contextmanager
+def net_prefix(k: int):
+    """While active, brewnet's log lines start with ``[sK] ``."""
+    class Prefix(logging.Filter):
+        def filter(self, record):
+            record.msg = f"[s{k}] {record.msg}"
+            return True
+    f = Prefix()
+    log.addFilter(f)
+    try:
+        yield
+    finally:
+        log.removeFilter(f)
+
+
+def _col(values, like: torch.Tensor) -> torch.Tensor:
+    """Per-net float32 scalars as a (m, 1, ...) column broadcasting over ``like`` (m, ...)."""
+    return torch.tensor(np.asarray(values, dtype=np.float32), device=like.device).to(
+        like.dtype).view(-1, *([1] * (like.dim() - 1)))
+
+
+def as_dtype(solver, dtype) -> None:
+    """Cast a solver's nets and histories (float64 runs check the fused algorithm without
+    float32 rounding in the way)."""
+    solver.net.to(dtype=dtype)
+    for net in solver.test_nets:
+        net.to(dtype=dtype)
+        solver.share_weights(net)
+    solver.history = [h.to(dtype) for h in solver.history]
+
+
+# -- update rules over a slice of stacked nets (Caffe's ComputeUpdateValue, K at once): p, g
+# and the history sets are (m, ...) slices, ``rate`` the m nets' float32 local rates ----------
+def _sgd(solvers, p, g, hist, i, rate):
+    h, rate = hist[0], _col(rate, p)
+    h.mul_(_col([s.param.momentum for s in solvers], h)).addcmul_(g, rate)
+    p.sub_(h)
+
+
+def _nesterov(solvers, p, g, hist, i, rate):
+    h, rate = hist[0], _col(rate, p)
+    m = _col([s.param.momentum for s in solvers], h)
+    prev = h.clone()
+    h.mul_(m).addcmul_(g, rate)
+    p.sub_(h * _col([f32(1) + f32(s.param.momentum) for s in solvers], h) - prev * m)
+
+
+def _adam(solvers, p, g, hist, i, rate):
+    m, v = hist
+    b1 = [f32(s.param.momentum) for s in solvers]
+    b2 = [f32(s.param.momentum2) for s in solvers]
+    t = solvers[0].iter + 1
+    corr = [f32(math.sqrt(1 - math.pow(float(y), t)) / (1 - math.pow(float(x), t)))
+            for x, y in zip(b1, b2)]
+    m.mul_(_col(b1, m)).addcmul_(g, _col([f32(1) - x for x in b1], m))
+    v.mul_(_col(b2, v)).addcmul_(g * g, _col([f32(1) - y for y in b2], v))
+    step = m / v.sqrt().add_(_col([s.param.delta for s in solvers], v))
+    p.sub_(step.mul_(_col([r * c for r, c in zip(rate, corr)], p)))
+
+
+UPDATES = {"SGD": _sgd, "Nesterov": _nesterov, "Adam": _adam}
+
+
+class FusedSolvers:
+    """K solvers trained as one fused net; ``solvers[k]`` is net k's own Solver (``.iter``,
+    ``.net``, ``.test_nets``, ``.snapshot()`` as alone). ``dtype``: cast the nets (float64 for
+    checks; Caffe's numbers are float32, the default)."""
+
+    def __init__(self, solver_params, device=None, dtype=None):
+        sources = list(solver_params)            # messages or solver files
+        params = [load_solver_param(p)[0] for p in sources]
+        if not params:
+            raise FuseError("FusedSolvers needs at least one solver")
+        for k, p in enumerate(params):
+            if p.type not in UPDATES:
+                raise FuseError(f"solver {k}: type '{p.type}' has no fused update (fused: "
+                                f"{', '.join(sorted(UPDATES))}); train it together instead")
+            if p.iter_size != params[0].iter_size:
+                raise FuseError(f"solvers 0 and {k} differ in iter_size ({params[0].iter_size} vs "
+                                f"{p.iter_size}): one data stream cannot feed both")
+            if p.snapshot_diff:
+                raise FuseError(f"solver {k}: snapshot_diff is not kept by fused training")
+        self.solvers = []
+        for k, (src, p) in enumerate(zip(sources, params)):
+            with net_prefix(k):                  # each net built alone: its own random_seed
+                self.solvers.append(SOLVERS[p.type](src, device=device))
+            if dtype is not None:
+                as_dtype(self.solvers[-1], dtype)
+        if len({s.device for s in self.solvers}) > 1:
+            raise FuseError("fused solvers must all run on one device, got "
+                            f"{sorted(str(s.device) for s in self.solvers)}")
+        k_ = len(params)
+        self.order = sorted(range(k_), key=lambda k: (params[k].type, -params[k].max_iter))
+        labels = [f"net {k} ({params[k].net or params[k].train_net or 'net_param'})" for k in self.order]
+        self.fused = FusedNet([self.solvers[k].net for k in self.order], labels)
+        self._stack_histories()
+        self.groups = []                         # (type, first stack position, end)
+        for pos, k in enumerate(self.order):
+            if self.groups and self.groups[-1][0] == params[k].type:
+                self.groups[-1][2] = pos + 1
+            else:
+                self.groups.append([params[k].type, pos, pos + 1])
+        self._lr_masks = [self._lr_mask(i) for i in range(len(self.fused.params))]
+        log.info("Fused %d nets into one: %s", k_, ", ".join(
+            f"{t} x{b - a}" for t, a, b in self.groups))
+
+    def _stack_histories(self) -> None:
+        n = len(self.fused.params)
+        self.history = []                        # per set: per learnable, (K, *shape)
+        sets = max(s.history_sets for s in self.solvers)
+        for j in range(sets):
+            row = []
+            for i in range(n):
+                h = torch.stack([self._hist(k, j, i) for k in self.order])
+                row.append(h)
+            self.history.append(row)
+        for pos, k in enumerate(self.order):
+            s = self.solvers[k]
+            s.history = [self.history[j][i][pos] for j in range(s.history_sets) for i in range(n)]
+
+    def _hist(self, k, j, i):
+        s = self.solvers[k]
+        n = len(self.fused.params)
+        return s.history[j * n + i] if j < s.history_sets else torch.zeros_like(self.fused.params[i].detach()[0])
+
+    def _lr_mask(self, i):
+        """Rows of param i whose net has lr_mult 0 get no gradient (alone: requires_grad off)."""
+        p = self.fused.params[i]
+        mults = [self.solvers[k].net.lr_mults[i] for k in self.order]
+        if all(mults) or not p.requires_grad:
+            return None
+        return _col([1.0 if m else 0.0 for m in mults], p)
+
+    # -- the loop --------------------------------------------------------------------------
+    def step(self, iters: int) -> None:
+        """Every net runs ``iters`` iterations (Caffe's ``Solver::Step``, K at once)."""
+        self._run([s.iter + int(iters) for s in self.solvers], final=False)
+
+    def solve(self) -> None:
+        """Each net trains to its own ``max_iter`` (Caffe's ``Solver::Solve``)."""
+        for k, s in enumerate(self.solvers):
+            with net_prefix(k):
+                log.info("Solving %s", s.net.name)
+                log.info("Learning Rate Policy: %s", s.param.lr_policy)
+        self._run([s.param.max_iter for s in self.solvers], final=True)
+
+    def _run(self, stops, final: bool) -> None:
+        start = [s.iter for s in self.solvers]
+        if len(set(start)) > 1:
+            raise FuseError(f"fused nets must be at one iteration, got {start}")
+        for s in self.solvers:
+            s._losses, s.smoothed_loss = [], f32(0)
+        tic = {k: (time.perf_counter(), s.iter) for k, s in enumerate(self.solvers)}
+        pending: list[int] = []                  # finished nets waiting for a last loss
+        while True:
+            active = [k for k, s in enumerate(self.solvers) if s.iter < stops[k]]
+            if not active:
+                break
+            for p in self.fused.params:
+                p.grad = None
+            for k in active:
+                s = self.solvers[k]
+                p = s.param
+                if p.test_interval and s.iter % p.test_interval == 0 and (s.iter > 0 or p.test_initialization):
+                    with net_prefix(k):
+                        s.test_all()
+            losses, outputs, first = self._forward_backward()
+            self._finish(pending, first, start)
+            pending = []
+            for k in active:
+                s = self.solvers[k]
+                s.loss = losses[self.order.index(k)]
+                s._update_smoothed_loss(s.loss, start[k])
+                if s.param.display and s.iter % s.param.display == 0:
+                    t0, last = tic[k]
+                    lapse = time.perf_counter() - t0
+                    with net_prefix(k):
+                        log.info("Iteration %d (%g iter/s, %gs/%d iters), loss = %g", s.iter,
+                                 (s.iter - last) / (lapse or 1), lapse, s.param.display, s.smoothed_loss)
+                        s._log_outputs(s.net, "Train", {n: v[self.order.index(k)] for n, v in outputs.items()})
+                    tic[k] = (time.perf_counter(), s.iter)
+            self._update(set(active))
+            for k in active:
+                s = self.solvers[k]
+                s.iter += 1
+                if s.param.snapshot and s.iter % s.param.snapshot == 0:
+                    with net_prefix(k):
+                        s.snapshot()
+                if final and s.iter >= stops[k]:
+                    pending.append(k)
+                    with net_prefix(k):
+                        if s.param.snapshot_after_train and (not s.param.snapshot or s.iter % s.param.snapshot != 0):
+                            s.snapshot()
+        if pending:
+            with torch.no_grad():
+                _, losses, _ = self.fused.forward()
+            self._finish(pending, [f32(x) for x in losses.cpu().numpy()], start)
+
+    def _finish(self, pending, first_losses, start) -> None:
+        """Solve's tail for nets that reached max_iter: the last display loss (the next batch,
+        as alone), the last test, done."""
+        for k in pending:
+            s = self.solvers[k]
+            with net_prefix(k):
+                if s.param.display and s.iter % s.param.display == 0:
+                    s._update_smoothed_loss(first_losses[self.order.index(k)], start[k])
+                    log.info("Iteration %d, loss = %g", s.iter, s.smoothed_loss)
+                if s.param.test_interval and s.iter % s.param.test_interval == 0:
+                    s.test_all()
+                log.info("Optimization Done.")
+
+    def _forward_backward(self):
+        """iter_size fused passes: each net's mean loss (float32, as alone), the last pass's
+        outputs, and the first pass's losses (what a finished net's last display reads)."""
+        iter_size = self.solvers[0].param.iter_size
+        total = first = outputs = None
+        for j in range(iter_size):
+            loss, per, outputs = self.fused.forward()
+            loss.backward()
+            total = per if total is None else total + per
+            if j == 0:
+                first = [f32(x) for x in per.cpu().numpy()]
+        values = [f32(x) / f32(iter_size) for x in total.cpu().numpy()]
+        for pos, v in enumerate(values):
+            if not math.isfinite(v):
+                k = self.order[pos]
+                raise LossNotFiniteError(f"[s{k}] Iteration {self.solvers[k].iter}: loss is {v}")
+        return values, outputs, first
+
+    def _update(self, active: set) -> None:
+        """One update of every running net (Caffe's ApplyUpdate: rate, clipping, iter_size
+        normalisation, regularisation, the rule), group by group over stacked slices."""
+        ps = self.fused.params
+        with torch.no_grad():
+            grads = []
+            for i, p in enumerate(ps):
+                g = p.grad if p.grad is not None else torch.zeros_like(p.detach())
+                if self._lr_masks[i] is not None:
+                    g.mul_(self._lr_masks[i])
+                grads.append(g)
+            for kind, a, b in self.groups:
+                run = [k for k in self.order[a:b] if k in active]
+                if not run:
+                    continue
+                b = a + len(run)                     # running nets are a prefix of the group
+                solvers = [self.solvers[k] for k in run]
+                rates = self._rates(run)
+                self._clip(run, [g[a:b] for g in grads])
+                for i, p in enumerate(ps):
+                    self._apply(UPDATES[kind], solvers, p.detach()[a:b], grads[i][a:b],
+                                [h[i][a:b] for h in self.history[:solvers[0].history_sets]], i, rates)
+
+    def _rates(self, run) -> list:
+        out = []
+        for k in run:
+            s = self.solvers[k]
+            rate, s.current_step = policy(s.param.lr_policy)(s.param, s.iter, s.current_step)
+            if s.param.display and s.iter % s.param.display == 0:
+                with net_prefix(k):
+                    log.info("Iteration %d, lr = %g", s.iter, rate)
+            out.append(rate)
+        return out
+
+    def _clip(self, run, grads) -> None:
+        clips = [f32(self.solvers[k].param.clip_gradients) for k in run]
+        if all(c < 0 for c in clips) or not grads:
+            return
+        # Each net's norm summed as alone (per blob, then over blobs): the same float32 scale.
+        sq = torch.stack([torch.stack([g[j].float().pow(2).sum() for g in grads]).sum()
+                          for j in range(len(run))])
+        scales = []
+        for k, c, s2 in zip(run, clips, sq.cpu().numpy()):
+            norm = f32(math.sqrt(float(s2)))
+            scale = f32(1)
+            if c >= 0 and norm > c:
+                scale = c / norm
+                with net_prefix(k):
+                    log.info("Gradient clipping: scaling down gradients (L2 norm %g > %g) by "
+                             "scale factor %g", norm, c, scale)
+            scales.append(scale)
+        if any(x != 1 for x in scales):
+            for g in grads:
+                g.mul_(_col(scales, g))
+
+    def _apply(self, rule, solvers, p, g, hist, i, rates) -> None:
+        iter_size = solvers[0].param.iter_size
+        if iter_size > 1:
+            g.mul_(float(f32(1) / f32(iter_size)))
+        decay = [f32(s.param.weight_decay) * f32(s.net.decay_mults[i]) for s in solvers]
+        if any(decay):
+            l1 = [s.param.regularization_type == "L1" for s in solvers]
+            reg = p if not any(l1) else torch.sign(p) if all(l1) else torch.where(
+                _col(l1, p).bool(), torch.sign(p), p)
+            g.addcmul_(reg, _col(decay, p))
+        rule(solvers, p, g, hist, i, [f32(r) * f32(s.net.lr_mults[i]) for r, s in zip(rates, solvers)])

@@ -1,0 +1,206 @@
+"""Fused training (brewnet.many.fused): K LeNets with their own seeds, rates and solver types
+trained as one fused net end where each trained alone ends, within float32 rounding; nets that
+differ are refused naming the first layer; each net's snapshot is the file it writes alone."""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from brewnet.data.db import open_writer
+from brewnet.data.transform import chw_to_datum
+from brewnet.many.fused import FuseError, FusedSolvers, as_dtype
+from brewnet.proto import caffe_pb2 as pb
+from brewnet.proto.io import parse_text, read_binary
+from brewnet.solvers import SOLVERS
+
+LENET = Path(__file__).resolve().parents[1] / "examples/mnist/lenet_train_test.prototxt"
+# Fused vs alone, as max|fused - alone| / max|alone| per param blob. In float64 the fused
+# algorithm is the net's own to rounding (F64_TOL). In float32 it is not bitwise: the fused
+# convolutions (NHWC, grouped) and batched matmuls sum in another order than each net's own
+# kernels (~1e-7 after one step), and training carries that on; a max-pooling window whose two
+# largest values lie within an ulp routes its gradient to the other one (a few per LeNet step),
+# and Adam's m / sqrt(v) rescales the rounding of gradients that cancel over the batch. Measured
+# here after 100 steps: 5e-7 to 3e-3 per net; the same net alone on 1 vs 2 torch threads, or
+# started one ulp away, parts by as much (up to 3e-3). F32_TOL bounds that.
+F64_TOL = 1e-10
+F32_TOL = 2e-2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: the suite runs in parallel workers on a small machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _lmdb(path, n, seed):
+    """Digits-like records: a bright 6x6 patch whose place is the label, on noise (noisy
+    everywhere: no exact ties for max pooling to break one way alone and another fused)."""
+    rng = np.random.default_rng(seed)
+    with open_writer(str(path)) as w:
+        for i in range(n):
+            label = int(rng.integers(10))
+            img = rng.integers(0, 60, (1, 28, 28), dtype=np.uint8)
+            r, c = divmod(label, 4)
+            img[0, 2 + 7 * r:8 + 7 * r, 2 + 6 * c:8 + 6 * c] = rng.integers(180, 256, (6, 6))
+            w.put(f"{i:08d}", chw_to_datum(img, label).SerializeToString())
+
+
+@pytest.fixture(scope="module")
+def lenet(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fused")
+    _lmdb(d / "train", 320, 1)
+    _lmdb(d / "test", 100, 2)
+    text = LENET.read_text().replace("examples/mnist/mnist_train_lmdb", str(d / "train")) \
+                            .replace("examples/mnist/mnist_test_lmdb", str(d / "test")) \
+                            .replace("batch_size: 100", "batch_size: 50")
+    (d / "lenet.prototxt").write_text(text)
+    return d
+
+
+def solver(d, k, **fields):
+    p = parse_text(f"""net: "{d / 'lenet.prototxt'}" test_iter: 2 test_interval: 50
+        base_lr: 0.01 momentum: 0.9 weight_decay: 0.0005 lr_policy: "inv" gamma: 0.0001
+        power: 0.75 display: 25 max_iter: 100 snapshot_prefix: "{d / f's{k}'}"
+        solver_mode: CPU random_seed: {k + 1}""", pb.SolverParameter())
+    for name, v in fields.items():
+        setattr(p, name, v)
+    return p
+
+
+def _alone(p):
+    s = SOLVERS[p.type](p, device="cpu")
+    s.solve()
+    return s
+
+
+def _diff(x, y) -> float:
+    return max(float((a.detach().double() - b.detach().double()).abs().max() / b.detach().abs().max())
+               for a, b in zip(x.net.learnable, y.net.learnable))
+
+
+def _close(fused, alone, param, tol):
+    rel = _diff(fused, alone)
+    assert rel <= tol
+    images = param.test_iter[0] * 50
+    for name, v in alone.test_scores[0].items():     # within one image / the same tolerance
+        assert fused.test_scores[0][name] == pytest.approx(v, rel=tol, abs=1.01 / images), name
+    return rel
+
+
+@pytest.mark.parametrize("kind", ["SGD", "Adam"])
+def test_four_lenets_fused_equal_each_alone(lenet, kind):
+    extra = {"type": kind} if kind == "SGD" else {"type": kind, "momentum2": 0.999, "lr_policy": "fixed"}
+    rates = [0.01, 0.02, 0.005, 0.03] if kind == "SGD" else [0.001, 0.002, 0.0005, 0.003]
+    params = [solver(lenet, k, base_lr=r, **extra) for k, r in enumerate(rates)]
+    fs = FusedSolvers(params, device="cpu")
+    fs.solve()
+    alone = [_alone(p) for p in params]
+    got = []
+    for f, a, p in zip(fs.solvers, alone, params):
+        assert f.iter == a.iter == 100
+        got.append(_close(f, a, p, F32_TOL))
+    print(f"{kind} float32, 100 steps: relative difference per net {['%.1e' % r for r in got]}")
+    # The nets really differ (own seeds and rates), so agreement above is not trivial.
+    w = [f.net.learnable[0].detach() for f in fs.solvers]
+    assert not torch.allclose(w[0], w[1])
+
+
+def test_mixed_solver_types_max_iters_and_clipping_in_float64(lenet):
+    """SGD, Nesterov and Adam nets in one fused run (stacked by type), each with its own
+    max_iter, one clipping its gradients: in float64 each equals the net alone."""
+    params = [solver(lenet, 0, type="Adam", base_lr=0.001, lr_policy="fixed", max_iter=12),
+              solver(lenet, 1, type="SGD", max_iter=16),
+              solver(lenet, 2, type="Nesterov", base_lr=0.005, lr_policy="step", stepsize=5,
+                     gamma=0.5, max_iter=16),
+              solver(lenet, 3, type="SGD", base_lr=0.02, clip_gradients=0.5, max_iter=8,
+                     regularization_type="L1")]
+    for p in params:
+        p.test_interval = 4
+    fs = FusedSolvers(params, device="cpu", dtype=torch.float64)
+    assert [k for k in fs.order] == [0, 2, 1, 3]
+    fs.solve()
+    got = []
+    for f, p in zip(fs.solvers, params):
+        a = SOLVERS[p.type](p, device="cpu")
+        as_dtype(a, torch.float64)
+        a.solve()
+        assert f.iter == a.iter == p.max_iter
+        got.append(_close(f, a, p, F64_TOL))
+    print(f"float64: relative difference per net {['%.1e' % r for r in got]}")
+
+
+def test_log_lines_carry_the_net_prefix(lenet, caplog):
+    params = [solver(lenet, k, max_iter=30, test_interval=30) for k in range(2)]
+    with caplog.at_level(logging.INFO, logger="brewnet"):
+        FusedSolvers(params, device="cpu").solve()
+    lines = [r.getMessage() for r in caplog.records]
+    for k in range(2):
+        mine = [m for m in lines if m.startswith(f"[s{k}] ")]
+        assert any(re.match(rf"\[s{k}\] Iteration 25 \(.*\), loss = ", m) for m in mine)
+        assert any(re.match(rf"\[s{k}\]     Test net output #0: accuracy = ", m) for m in mine)
+        assert f"[s{k}] Optimization Done." in mine
+
+
+def test_snapshots_named_and_formatted_as_alone(lenet, tmp_path):
+    params = [solver(lenet, k, max_iter=20, snapshot=10) for k in range(2)]
+    for k, p in enumerate(params):
+        p.snapshot_prefix = str(tmp_path / f"fused{k}")
+    fs = FusedSolvers(params, device="cpu")
+    fs.solve()
+    alone = solver(lenet, 1, max_iter=20, snapshot=10, snapshot_prefix=str(tmp_path / "alone1"))
+    a = _alone(alone)
+    for it in (10, 20):
+        got = read_binary(tmp_path / f"fused1_iter_{it}.caffemodel", pb.NetParameter())
+        ref = read_binary(tmp_path / f"alone1_iter_{it}.caffemodel", pb.NetParameter())
+        assert [(l.name, [tuple(b.shape.dim) for b in l.blobs]) for l in got.layer] == \
+               [(l.name, [tuple(b.shape.dim) for b in l.blobs]) for l in ref.layer]
+        st = read_binary(tmp_path / f"fused1_iter_{it}.solverstate", pb.SolverState())
+        st_ref = read_binary(tmp_path / f"alone1_iter_{it}.solverstate", pb.SolverState())
+        assert st.iter == st_ref.iter == it
+        assert st.learned_net == str(tmp_path / f"fused1_iter_{it}.caffemodel")
+        assert len(st.history) == len(st_ref.history)
+        for h, r in zip(st.history, st_ref.history):
+            h, r = np.asarray(h.data), np.asarray(r.data)
+            assert h.shape == r.shape and np.abs(h - r).max() <= F32_TOL * np.abs(r).max()
+    assert sorted(p.name for p in tmp_path.glob("fused0_*")) == [
+        "fused0_iter_10.caffemodel", "fused0_iter_10.solverstate",
+        "fused0_iter_20.caffemodel", "fused0_iter_20.solverstate"]
+    # The fused net's file loads into a fresh net and equals the fused params.
+    fresh = SOLVERS["SGD"](params[1], device="cpu")
+    fresh.net.copy_from(tmp_path / "fused1_iter_20.caffemodel")
+    for x, y in zip(fresh.net.learnable, fs.solvers[1].net.learnable):
+        assert torch.equal(x.detach(), y.detach())
+    assert a.iter == 20
+
+
+def test_different_architectures_name_the_first_layer(lenet, tmp_path):
+    other = (lenet / "lenet.prototxt").read_text().replace("num_output: 50", "num_output: 40", 1)
+    (tmp_path / "wide.prototxt").write_text(other)
+    params = [solver(lenet, 0), solver(lenet, 1, net=str(tmp_path / "wide.prototxt"))]
+    with pytest.raises(FuseError, match=r"layer #\d+ 'conv2' \(type Convolution\) differs in "
+                                        r"convolution_param\.num_output \(50 vs 40\)"):
+        FusedSolvers(params, device="cpu")
+    # Fillers may differ (what a sweep varies): this fuses.
+    xav = (lenet / "lenet.prototxt").read_text().replace('type: "xavier"', 'type: "gaussian" std: 0.1', 1)
+    (tmp_path / "gauss.prototxt").write_text(xav)
+    FusedSolvers([solver(lenet, 0), solver(lenet, 1, net=str(tmp_path / "gauss.prototxt"))], device="cpu")
+
+
+def test_unfusable_layer_and_solver_named(lenet, tmp_path):
+    text = (lenet / "lenet.prototxt").read_text().replace('type: "ReLU"', 'type: "ELU"')
+    (tmp_path / "elu.prototxt").write_text(text)
+    with pytest.raises(FuseError, match=r"layer 'relu1' of type ELU has no fused form"):
+        FusedSolvers([solver(lenet, 0, net=str(tmp_path / "elu.prototxt"))] * 2, device="cpu")
+    with pytest.raises(FuseError, match=r"solver 1: type 'AdaDelta' has no fused update"):
+        FusedSolvers([solver(lenet, 0), solver(lenet, 1, type="AdaDelta")], device="cpu")
+    with pytest.raises(FuseError, match="iter_size"):
+        FusedSolvers([solver(lenet, 0), solver(lenet, 1, iter_size=2)], device="cpu")
+    assert issubclass(FuseError, ValueError)      # the CLI reports it as a user error
