@@ -260,6 +260,7 @@ class VideoNet:
         frames = read_frames(source, limit) if isinstance(source, (str, os.PathLike)) else source
         key_out = key_low = key_grey = None
         gap = 0
+        self.changes = []
         with torch.no_grad():
             for index, frame in enumerate(frames):
                 x, grey = self.prepare(frame)
