@@ -4,15 +4,16 @@
 ``caffe.Net(prototxt, caffe.TEST, weights=...)``, ``caffe.SGDSolver(path)``,
 ``caffe.set_mode_gpu()``, ``caffe.io`` ... The core it sits on: ``brewnet.net.Net`` (torch
 tensors, per-layer steps), ``brewnet.to_torch`` (a net as one torch.fx graph),
-``brewnet.fully_convolutional`` (Caffe's net surgery), ``brewnet.video`` (keyframe feature reuse), ``brewnet.layers``
-(``brewnet.layers.Layer``, the base of built-in and plugin layers; ``@brewnet.register_layer``),
-``brewnet.testing`` (Caffe's GradientChecker), ``brewnet.solvers``, ``brewnet.data``.
+``brewnet.fully_convolutional`` (Caffe's net surgery), ``brewnet.video`` (a net over video frames
+with keyframe feature reuse), ``brewnet.layers`` (``brewnet.layers.Layer``, the base of
+built-in and plugin layers; ``@brewnet.register_layer``), ``brewnet.testing`` (Caffe's GradientChecker), ``brewnet.solvers``, ``brewnet.data``.
 """
 __version__ = "0.1.0"
 
 from . import layers  # noqa: E402  (also NetSpec's L: layers.Convolution(...))
 from .data import layers as _data_layers  # noqa: E402,F401  (registers Data, ImageData, HDF5Data...)
 from .deploy import to_torch  # noqa: E402
+from . import video  # noqa: E402,F401  (brewnet.video.VideoNet)
 from .surgery import fully_convolutional  # noqa: E402
 from .layers import layer_types as _layer_types  # noqa: E402
 from .layers import register_layer  # noqa: E402  (plugins: @brewnet.register_layer("Type"))
