@@ -6,7 +6,8 @@
 tensors, per-layer steps), ``brewnet.to_torch`` (a net as one torch.fx graph),
 ``brewnet.fully_convolutional`` (Caffe's net surgery), ``brewnet.video`` (a net over video frames
 with keyframe feature reuse), ``brewnet.layers`` (``brewnet.layers.Layer``, the base of
-built-in and plugin layers; ``@brewnet.register_layer``), ``brewnet.testing`` (Caffe's GradientChecker), ``brewnet.solvers``, ``brewnet.data``.
+built-in and plugin layers; ``@brewnet.register_layer``), ``brewnet.testing`` (Caffe's
+GradientChecker), ``brewnet.solvers``, ``brewnet.data``.
 """
 __version__ = "0.1.0"
 
