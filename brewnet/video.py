@@ -271,7 +271,8 @@ class VideoNet:
                     net.forward_tensors(0, self.k)
                     low = net.blobs[self.split].tensor
                     if key_low is not None:
-                        change = float((low - key_low).abs().mean() / key_low.abs().mean().clamp_min(1e-12))
+                        ref = key_low.abs().mean().clamp_min(1e-12)
+                        change = float((low - key_low).abs().mean() / ref)
                 key = key_out is None or self.policy.is_key(gap, change)
                 self.changes.append(change)
                 if key:

@@ -36,9 +36,11 @@ def add_arguments(p) -> None:
     p.add_argument("--blobs", default="", metavar="A,B", help="outputs to keep (default: the net's)")
     p.add_argument("--mean", default="", metavar="B,G,R", help="per-channel mean, e.g. 104,117,123")
     p.add_argument("--scale", type=float, default=1.0, help="after the mean, as transform_param's")
-    p.add_argument("--size", default="", metavar="WxH", help="resize frames to WxH (default: the net's input)")
+    p.add_argument("--size", default="", metavar="WxH",
+                   help="resize frames to WxH (default: the net's input)")
     p.add_argument("--fully-convolutional", action="store_true",
-                   help="turn InnerProduct layers into convolutions first (score maps; brewnet.fully_convolutional)")
+                   help="turn InnerProduct layers into convolutions first (score maps; "
+                        "brewnet.fully_convolutional)")
     p.add_argument("--frames", type=int, default=0, metavar="N", help="only the first N frames")
     p.add_argument("--flow-preset", choices=("ultrafast", "fast", "medium"), default="fast")
     p.add_argument("--annotate", default="", metavar="OUT.avi|DIR", help="pictures of the outputs")
@@ -98,7 +100,8 @@ def run(args) -> int:
             sink.close()
     log.info("Processed %d frames (%d keyframes) in %.2f s: %.2f frames/s", len(keys), sum(keys),
              seconds, len(keys) / seconds)
-    log.info("Wrote %s", ", ".join(str(p) for p in written + ([args.annotate] if args.annotate else [])))
+    shown_at = [args.annotate] if args.annotate else []
+    log.info("Wrote %s", ", ".join(str(p) for p in written + shown_at))
     return 0
 
 
