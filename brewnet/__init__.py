@@ -3,9 +3,11 @@
 ``import brewnet as caffe`` gives pycaffe's surface (``brewnet.pycaffe``, re-exported here):
 ``caffe.Net(prototxt, caffe.TEST, weights=...)``, ``caffe.SGDSolver(path)``,
 ``caffe.set_mode_gpu()``, ``caffe.io`` ... The core it sits on: ``brewnet.net.Net`` (torch
-tensors, per-layer steps), ``brewnet.to_torch`` (a net as one torch.fx graph), ``brewnet.layers``
-(``brewnet.layers.Layer``, the base of built-in and plugin layers; ``@brewnet.register_layer``),
-``brewnet.testing`` (Caffe's GradientChecker), ``brewnet.solvers``, ``brewnet.data``.
+tensors, per-layer steps), ``brewnet.to_torch`` (a net as one torch.fx graph),
+``brewnet.fully_convolutional`` (Caffe's net surgery), ``brewnet.video`` (a net over video frames
+with keyframe feature reuse), ``brewnet.layers`` (``brewnet.layers.Layer``, the base of
+built-in and plugin layers; ``@brewnet.register_layer``), ``brewnet.testing`` (Caffe's
+GradientChecker), ``brewnet.solvers``, ``brewnet.data``.
 """
 __version__ = "0.1.0"
 
@@ -20,6 +22,8 @@ if "torch" not in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ:
 from . import layers  # noqa: E402  (also NetSpec's L: layers.Convolution(...))
 from .data import layers as _data_layers  # noqa: E402,F401  (registers Data, ImageData, HDF5Data...)
 from .deploy import to_torch  # noqa: E402
+from . import video  # noqa: E402,F401  (brewnet.video.VideoNet)
+from .surgery import fully_convolutional  # noqa: E402
 from .layers import layer_types as _layer_types  # noqa: E402
 from .layers import register_layer  # noqa: E402  (plugins: @brewnet.register_layer("Type"))
 from .layers.python import Layer  # noqa: E402  (base class of Python layers)
@@ -45,5 +49,6 @@ __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu"
            "set_device", "set_random_seed", "layer_type_list", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
            "Layer", "register_layer", "Classifier", "coord_map", "draw", "layers", "params", "NetSpec",
-           "to_proto", "to_torch", "merge_indep_net_spec", "merge_nets", "__version__", "NCCL",
-           "has_nccl", "set_solver_count", "set_solver_rank", "set_multiprocess", "solver_count", "solver_rank", "init_log", "log"]
+           "to_proto", "to_torch", "merge_indep_net_spec", "merge_nets", "fully_convolutional",
+           "__version__", "NCCL", "has_nccl", "set_solver_count", "set_solver_rank",
+           "set_multiprocess", "solver_count", "solver_rank", "init_log", "log"]

@@ -157,7 +157,7 @@ def resize_threads_after(solver, iterations: int = 20) -> None:
 
 
 @contextlib.contextmanager
-def progress_bar(total: int, initial: int = 0, desc: str = ""):
+def progress_bar(total: int | None, initial: int = 0, desc: str = "", unit: str = "it"):
     """A tqdm bar on stderr when stderr is a terminal (log lines are routed around it), else
     None: logs redirected to a file stay free of bar frames."""
     if not sys.stderr.isatty():
@@ -167,5 +167,5 @@ def progress_bar(total: int, initial: int = 0, desc: str = ""):
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     with logging_redirect_tqdm(loggers=[log]), tqdm(total=total, initial=initial, desc=desc,
-                                                    unit="it", dynamic_ncols=True) as bar:
+                                                    unit=unit, dynamic_ncols=True) as bar:
         yield bar
