@@ -3,8 +3,9 @@ classification service over HTTP (FastAPI on uvicorn; ``pip install brewnet[serv
 
 The net runs as ``brewnet.deploy.to_torch``'s graph; concurrent requests are batched into one
 forward (``--max-batch``, ``--max-delay-ms``). Images are prepared as pycaffe's Classifier does:
-``--mean``, ``--raw-scale``, ``--input-scale``, ``--channel-swap``, ``--image-dims``. SIGTERM
-stops accepting connections and finishes the requests in flight before exiting.
+``--mean``, ``--raw-scale``, ``--input-scale``, ``--channel-swap``, ``--image-dims``; prepared
+inputs come as JSON, ``.npy`` or raw float32 (``serving/app.py``). SIGTERM stops accepting
+connections and finishes the requests in flight before exiting (``serving/server.py``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from .common import USER_ERRORS, CLIError, add_bool, add_gpu_flag, log_to_stderr
 COMMAND = "serve"
 HELP = "serve a classifier over HTTP: POST /predict, GET /healthz, GET /metrics"
 log = logging.getLogger("brewnet")
-DRAIN_S = 0.25      # on SIGTERM, between closing the listener and closing idle connections
 
 
 def add_arguments(p) -> None:
@@ -132,30 +132,11 @@ def build(args):
     return model, fixed, device, inline
 
 
-def _draining_server(base):
-    """uvicorn's Server, stopping in two steps on SIGTERM: stop listening, let the connections
-    already accepted deliver their requests, then uvicorn's shutdown, which finishes every request
-    it has read and closes the rest (without the pause, a request sent on a just-accepted
-    connection and not yet read was dropped: seen under load)."""
-    import asyncio
-
-    class DrainingServer(base):
-        async def shutdown(self, sockets=None):
-            await asyncio.sleep(0)            # accept what the kernel has queued
-            for server in self.servers:
-                server.close()
-            await asyncio.sleep(DRAIN_S)
-            await super().shutdown(sockets)
-
-    return DrainingServer
-
-
 def run(args) -> int:
     log_to_stderr()
     try:
-        import uvicorn
-
         from .serving.app import Limits, create_app
+        from .serving.server import serve
     except ImportError as e:
         return report(COMMAND, CLIError(f"{e.name} is missing: pip install 'brewnet[serve]'"))
     from .. import runtime
@@ -176,8 +157,5 @@ def run(args) -> int:
     limits = Limits(int(args.max_body_mb * (1 << 20)), int(args.max_pixels), args.timeout_ms / 1e3,
                     args.max_queue)
     app = create_app(model, limits, args.max_batch, args.max_delay_ms / 1e3, fixed, inline)
-    # log_config=None: uvicorn's lines go through brewnet's log format.
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
-                            access_log=args.access_log, timeout_graceful_shutdown=30)
-    _draining_server(uvicorn.Server)(config).run()
+    serve(app, args.host, args.port, args.access_log)
     return 0
