@@ -277,6 +277,7 @@ def main() -> int:
             print(f"{'concurrency':>11} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'mean batch':>10} "
                   f"{'good errors':>11} {'bad: right':>10} {'server CPU ms/req':>17} "
                   f"{'forward ms/req':>14} {'client CPU ms/req':>17}")
+            seen = {}
             for conc in [int(c) for c in args.concurrency.split(",")]:
                 m0, s0 = get(port, "/metrics"), cpu_of(server.pid)
                 out = subprocess.run([sys.executable, __file__, args.preset, "--drive", "--port", str(port),
@@ -296,6 +297,12 @@ def main() -> int:
                       f"{(s1 - s0) * 1e3 / (n + 20):>17.2f} "
                       f"{d['brewnet_forward_seconds_sum'] * 1e3 / max(d['brewnet_batch_size_sum'], 1):>14.3f} "
                       f"{r['cpu'] * 1e3 / n:>17.2f}", flush=True)
+                seen[conc] = (n / r["wall"], (s1 - s0) * 1e3 / (n + 20), r["cpu"] * 1e3 / n)
+            lo, hi = min(seen), max(seen)
+            if lo != hi:   # throughput gain, next to what batching saved in CPU per request
+                (r0, s0, c0), (r1, s1, c1) = seen[lo], seen[hi]
+                print(f"c={hi} / c={lo}: {r1 / r0:.2f}x the requests/s; CPU per request "
+                      f"{s0 / s1:.2f}x less in the server, {(s0 + c0) / (s1 + c1):.2f}x less in server + client")
     finally:
         server.terminate()
         server.wait(60)
