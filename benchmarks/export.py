@@ -3,10 +3,12 @@
 largest relative difference of the graph module and of onnxruntime, or why it cannot export.
 
     python benchmarks/export.py                       # all (DenseNets and VGGs take minutes each)
+    python benchmarks/export.py --nets resnet,vgg     # those whose path (under caffe-models) has one
     python benchmarks/export.py path/to/deploy.prototxt ...
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -46,13 +48,13 @@ def check(path: Path, out: Path) -> str:
     import onnxruntime as ort
 
     param = read_net(str(path))
+    if not any(lp.type == "Input" for lp in param.layer):      # before building its data layers
+        return "skip: no Input layer (a train/val net)"
     for lp in param.layer:
         for s in lp.input_param.shape:
             s.dim[0] = 1
     torch.manual_seed(0)
     net = Net(param, pb.TEST)
-    if not net.inputs:
-        return "skip: no Input layer (a train/val net)"
     randomise(net)
     try:
         gm = to_torch(net)
@@ -70,20 +72,41 @@ def check(path: Path, out: Path) -> str:
     export_onnx(gm, out)
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     o_rel = max(rel(g, w) for g, w in zip(sess.run(None, {n: x.numpy() for n, x in zip(net.inputs, xs)}), want))
-    return f"torch {t_rel:.1e}  onnx {o_rel:.1e}  batch {'dynamic' if gm.dynamic_batch else 'fixed'}"
+    # random weights can push a softmax to exact 0s and 1s, where any graph agrees: say so
+    flat = np.concatenate([np.abs(np.asarray(w, np.float64)).ravel() for w in want])
+    saturated = "  (outputs saturated at 0/1: uninformative)" if np.all(np.minimum(flat, np.abs(1 - flat)) < 1e-6) else ""
+    return f"torch {t_rel:.1e}  onnx {o_rel:.1e}  batch {'dynamic' if gm.dynamic_batch else 'fixed'}{saturated}"
+
+
+def shown(p: Path) -> str:
+    """The path as the table prints it: relative to ../shared/caffe-models, never this machine's."""
+    for base in (SHARED / "caffe-models", Path.cwd()):
+        try:
+            return str(p.resolve().relative_to(base.resolve()))
+        except ValueError:
+            pass
+    return p.name
 
 
 def main() -> int:
-    paths = [Path(p) for p in sys.argv[1:]] or sorted(
-        p for p in (SHARED / "caffe-models").rglob("*.prototxt") if "solver" not in p.name)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="*", type=Path, help="prototxts (default: every one under ../shared/caffe-models)")
+    ap.add_argument("--nets", default="", help="comma-separated substrings; keep the paths holding one")
+    args = ap.parse_args()
+    paths = args.paths or sorted(
+        p for p in (SHARED / "caffe-models").rglob("*.prototxt") if "solver" not in p.name and "labelmap" not in p.name)
+    keys = [k for k in args.nets.split(",") if k]
+    if keys:
+        paths = [p for p in paths if any(k.lower() in shown(p).lower() for k in keys)]
     with tempfile.TemporaryDirectory() as d:
         for p in paths:
             t0 = time.perf_counter()
             try:
                 line = check(p, Path(d) / "net.onnx")
             except Exception as e:  # noqa: BLE001  (a table row, not a crash)
-                line = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            print(f"{p}: {line}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+                msg = str(e).splitlines()[0][:200] if str(e) else ""
+                line = f"error: {type(e).__name__}: {msg.replace(str(SHARED.resolve()), '../shared')}"
+            print(f"{shown(p)}: {line}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     return 0
 
 

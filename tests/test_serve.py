@@ -98,6 +98,36 @@ def test_good_and_bad_requests(server):
     assert "brewnet_request_seconds_bucket" in m
 
 
+def npy(x) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, x)
+    return buf.getvalue()
+
+
+def test_prepared_arrays_json_npy_raw(server):
+    """One input as JSON, .npy (any numeric dtype) and raw float32: the same answer; each
+    malformed variant answered with its code and a message naming the problem."""
+    url, _ = server
+    x = np.random.default_rng(1).random((1, 28, 28)).astype(np.float32)
+    answers = [post(url, __import__("json").dumps(x.tolist()), "application/json").json(),
+               post(url, npy(x), "application/x-npy").json(),
+               post(url, npy(x.astype(np.float64)), "application/x-npy").json(),
+               post(url, x.astype("<f4").tobytes(), "application/octet-stream").json()]
+    assert all(a == answers[0] for a in answers[1:]), answers
+    assert len(answers[0]["top"]) == 5
+    bad = {
+        ".npy of the wrong shape": (npy(np.zeros((3, 28, 28), np.float32)), "application/x-npy", 422, "shape"),
+        "truncated .npy": (npy(x)[:100], "application/x-npy", 400, ".npy"),
+        ".npy holding objects (a pickle)": (npy(np.array([{}, 1], dtype=object)), "application/x-npy", 400, ".npy"),
+        ".npy of strings": (npy(np.array(["a", "b"])), "application/x-npy", 422, "numbers"),
+        "raw float32 of the wrong size": (x.tobytes()[:-4], "application/octet-stream", 422, "3136 bytes"),
+    }
+    for what, (body, ctype, code, word) in bad.items():
+        r = post(url, body, ctype)
+        assert (r.status_code, word in r.json()["error"]) == (code, True), (what, r.text)
+    assert post(url, npy(x), "application/x-npy").status_code == 200          # still serving
+
+
 def test_sigterm_under_load_loses_no_accepted_request(server):
     url, proc = server
     body = png(28, 28)

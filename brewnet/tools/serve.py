@@ -3,12 +3,15 @@ classification service over HTTP (FastAPI on uvicorn; ``pip install brewnet[serv
 
 The net runs as ``brewnet.deploy.to_torch``'s graph; concurrent requests are batched into one
 forward (``--max-batch``, ``--max-delay-ms``). Images are prepared as pycaffe's Classifier does:
-``--mean``, ``--raw-scale``, ``--input-scale``, ``--channel-swap``, ``--image-dims``. SIGTERM
-stops accepting connections and finishes the requests in flight before exiting.
+``--mean``, ``--raw-scale``, ``--input-scale``, ``--channel-swap``, ``--image-dims``; prepared
+inputs come as JSON, ``.npy`` or raw float32 (``serving/app.py``). SIGTERM stops accepting
+connections and finishes the requests in flight before exiting (``serving/server.py``).
 """
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 from .common import USER_ERRORS, CLIError, add_bool, add_gpu_flag, log_to_stderr, report, single_device
 
@@ -36,6 +39,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-pixels", type=float, default=40e6, help="image size limit (40e6 pixels)")
     p.add_argument("--timeout-ms", type=float, default=10000.0, help="time limit per request (10 s)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most (256)")
+    p.add_argument("--threads", type=int, help="torch threads per forward (default: the CPUs less "
+                   "one, which the HTTP event loop needs)")
     add_bool(p, "fold", "fold Convolution -> BatchNorm -> Scale chains (faster; float rounding)")
     add_bool(p, "access_log", "log every request")
     add_gpu_flag(p)
@@ -80,6 +85,7 @@ def build(args):
     from ..net import Net
     from ..pycaffe import io as cio
     from .serving.app import Model
+    from .serving.batcher import INLINE_S
 
     net = Net(args.model, weights=args.weights)
     if len(net.inputs) != 1 or len(net.shapes[net.inputs[0]]) != 4:
@@ -106,18 +112,31 @@ def build(args):
     if args.labels:
         with open(args.labels, encoding="utf-8") as f:
             labels = [line.strip() for line in f if line.strip()]
-    with torch.inference_mode():    # the first forward sets oneDNN up: not in a request
-        gm(torch.zeros((1 if gm.dynamic_batch else shape[0],) + tuple(shape[1:]), device=device))
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) - 1))
+    fixed = None if gm.dynamic_batch else shape[0]
+    seconds = []
+    with torch.inference_mode():    # the first forwards set oneDNN up: not in a request
+        for n in [1] + [fixed or args.max_batch] * 3:
+            # this thread's CPU time: a busy machine's preemptions do not count
+            t0, c0 = time.perf_counter(), time.thread_time()
+            gm(torch.zeros((n,) + tuple(shape[1:]), device=device))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds.append(min(time.perf_counter() - t0, time.thread_time() - c0))
+    fastest = min(seconds[2:])
+    inline = fastest < INLINE_S
+    log.info("Net '%s': a forward of %d takes %.1f ms on %d thread(s)", net.name, fixed or args.max_batch,
+             fastest * 1e3, torch.get_num_threads())
     model = Model(gm, name, shape[1:], t, dims, labels, args.top_k, net.name)
-    return model, (None if gm.dynamic_batch else shape[0]), device
+    return model, fixed, device, inline
 
 
 def run(args) -> int:
     log_to_stderr()
     try:
-        import uvicorn
-
         from .serving.app import Limits, create_app
+        from .serving.server import serve
     except ImportError as e:
         return report(COMMAND, CLIError(f"{e.name} is missing: pip install 'brewnet[serve]'"))
     from .. import runtime
@@ -125,7 +144,9 @@ def run(args) -> int:
     try:
         if args.max_batch < 1:
             raise CLIError("--max-batch must be at least 1")
-        model, fixed, device = build(args)
+        if args.threads is not None and args.threads < 1:
+            raise CLIError("--threads must be at least 1")
+        model, fixed, device, inline = build(args)
         if fixed is not None and args.max_batch > fixed:
             log.info("Net '%s' fixes its batch at %d: --max-batch %d -> %d", model.name, fixed,
                      args.max_batch, fixed)
@@ -135,8 +156,6 @@ def run(args) -> int:
     runtime.configure(device, keep_memory=True)      # steady latency: buffers stay allocated
     limits = Limits(int(args.max_body_mb * (1 << 20)), int(args.max_pixels), args.timeout_ms / 1e3,
                     args.max_queue)
-    app = create_app(model, limits, args.max_batch, args.max_delay_ms / 1e3, fixed)
-    # log_config=None: uvicorn's lines go through brewnet's log format.
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=args.access_log,
-                timeout_graceful_shutdown=30)
+    app = create_app(model, limits, args.max_batch, args.max_delay_ms / 1e3, fixed, inline)
+    serve(app, args.host, args.port, args.access_log)
     return 0

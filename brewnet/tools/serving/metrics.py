@@ -14,6 +14,7 @@ class Metrics:
         self.latency = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
         self.batches: Counter = Counter()         # batch size -> forwards
+        self.forward_seconds = 0.0                # wall time inside forwards
         self.max_batch = max_batch
 
     def request(self, code: int, seconds: float) -> None:
@@ -23,9 +24,10 @@ class Metrics:
             self.latency[k] += 1
             self.latency_sum += seconds
 
-    def batch(self, n: int) -> None:
+    def batch(self, n: int, seconds: float) -> None:
         with self.lock:
             self.batches[n] += 1
+            self.forward_seconds += seconds
 
     def text(self) -> str:
         with self.lock:
@@ -51,5 +53,9 @@ class Metrics:
                 total += b * self.batches.get(b, 0)
                 out.append(f'brewnet_batch_size_bucket{{le="{b}"}} {acc}')
             out += [f'brewnet_batch_size_bucket{{le="+Inf"}} {acc}',
-                    f"brewnet_batch_size_sum {total}", f"brewnet_batch_size_count {acc}"]
+                    f"brewnet_batch_size_sum {total}", f"brewnet_batch_size_count {acc}",
+                    "# HELP brewnet_forward_seconds Time spent in the net's forwards.",
+                    "# TYPE brewnet_forward_seconds summary",
+                    f"brewnet_forward_seconds_sum {self.forward_seconds:.6f}",
+                    f"brewnet_forward_seconds_count {acc}"]
         return "\n".join(out) + "\n"
