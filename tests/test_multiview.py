@@ -137,29 +137,57 @@ def test_cli_errors(tmp_path, capsys):
         assert "needs labels" in capsys.readouterr().err
 
 
-def test_open_nsfw_image_list_follows_classifier_oversample(tmp_path):
-    """brewnet test --images on open_nsfw gives pycaffe's Classifier.predict scores, 10 views and 1."""
-    d = need(SHARED / "caffe-models/trained/open_nsfw")
-    images = sorted(need(SHARED / "caffe-models/images").glob("*.png"))
-    lst = tmp_path / "list.txt"
-    lst.write_text("".join(f"{p} {k % 2}\n" for k, p in enumerate(images)))
-    model, weights = str(d / "deploy.prototxt"), str(d / "resnet_50_1by2_nsfw.caffemodel")
-    clf = caffe.Classifier(model, weights, image_dims=(256, 256), mean=np.array([104, 117, 123.0]),
-                           raw_scale=255, channel_swap=(2, 1, 0))
-    loaded = [caffe.io.load_image(str(p)) for p in images]
+def classifier_scores(model, weights, paths, views, mean, dims):
+    """(brewnet test --images' scores, Classifier.predict's) for the image files ``paths``."""
     from argparse import Namespace
 
     from brewnet.tools.test import image_list_scores
 
-    args = Namespace(model=model, images=str(lst), root_folder="", batch=2, output="", mean="104,117,123",
-                     raw_scale=255.0, input_scale=None, channel_swap="2,1,0", image_dims="256,256")
-    net = caffe.Net(model, caffe.TEST, weights=weights)
-    for views, oversample in ((10, True), (1, False)):
-        got = list(image_list_scores(net, args, views))
-        assert [len(s) for s, _ in got] == [2, 1]
-        np.testing.assert_allclose(np.concatenate([s for s, _ in got]),
-                                   clf.predict(loaded, oversample=oversample), rtol=1e-5, atol=1e-6)
-        np.testing.assert_array_equal(np.concatenate([lab for _, lab in got]), [0, 1, 0])
-    assert main(["test", "--model", model, "--weights", weights, "--images", str(lst), "--views", "10",
-                 "--image-dims", "256,256", "--mean", "104,117,123", "--raw-scale", "255",
-                 "--channel-swap", "2,1,0", "--top-k", "1,2"]) == 0
+    clf = caffe.Classifier(str(model), str(weights), image_dims=dims, mean=np.array(mean, float),
+                           raw_scale=255, channel_swap=(2, 1, 0))
+    args = Namespace(model=str(model), images=str(paths), root_folder="", batch=2, output="",
+                     mean=",".join(map(str, mean)), raw_scale=255.0, input_scale=None,
+                     channel_swap="2,1,0", image_dims=",".join(map(str, dims)))
+    lines = [l.rsplit(" ", 1)[0] for l in paths.read_text().splitlines()]
+    got = list(image_list_scores(caffe.Net(str(model), caffe.TEST, weights=str(weights)), args, views))
+    assert [len(s) for s, _ in got] == [2] * (len(lines) // 2) + [1] * (len(lines) % 2)
+    return got, clf.predict([caffe.io.load_image(p) for p in lines], oversample=views == 10)
+
+
+def test_image_list_follows_classifier(tmp_path, capsys):
+    import cv2
+
+    rng = np.random.default_rng(4)
+    lst = tmp_path / "list.txt"
+    with open(lst, "w") as f:
+        for k in range(3):
+            cv2.imwrite(str(tmp_path / f"{k}.png"), rng.integers(0, 256, (13 + k, 11, 3), dtype=np.uint8))
+            f.write(f"{tmp_path / f'{k}.png'} {k}\n")
+    deploy = tmp_path / "deploy.prototxt"
+    deploy.write_text(f'name: "mv" input: "data" input_shape {{ dim: 1 dim: {C} dim: {CROP} dim: {CROP} }}' + LAYERS)
+    caffe.set_random_seed(2)
+    weights = tmp_path / "d.caffemodel"
+    caffe.Net(str(deploy), caffe.TEST).save(str(weights))
+    for views in (10, 1):
+        got, want = classifier_scores(deploy, weights, lst, views, [90, 100, 110], (H, H))
+        np.testing.assert_allclose(np.concatenate([s for s, _ in got]), want, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(np.concatenate([lab for _, lab in got]), [0, 1, 2])
+    args = ["test", "--model", str(deploy), "--weights", str(weights), "--images", str(lst),
+            "--mean", "90,100,110", "--raw-scale", "255", "--channel-swap", "2,1,0"]
+    assert main(args + ["--image-dims", f"{H},{H}", "--views", "10", "--top-k", "1,2"]) == 0
+    assert main(args + ["--views", "10"]) == 1
+    assert "--views 10 needs --image-dims larger than the net's 8x8 input" in capsys.readouterr().err
+    lst.write_text(f"{tmp_path / 'missing.png'} 0\n")
+    assert main(args) == 1
+    assert f"{lst} line 1: " in capsys.readouterr().err
+
+
+def test_open_nsfw_image_list_follows_classifier_oversample(tmp_path):
+    """brewnet test --images --views 10 on open_nsfw gives pycaffe's Classifier.predict(oversample=True)."""
+    d = need(SHARED / "caffe-models/trained/open_nsfw")
+    images = sorted(need(SHARED / "caffe-models/images").glob("*.png"))
+    lst = tmp_path / "list.txt"
+    lst.write_text("".join(f"{p} {k % 2}\n" for k, p in enumerate(images)))
+    got, want = classifier_scores(d / "deploy.prototxt", d / "resnet_50_1by2_nsfw.caffemodel", lst, 10,
+                                  [104, 117, 123], (256, 256))
+    np.testing.assert_allclose(np.concatenate([s for s, _ in got]), want, rtol=1e-5, atol=1e-6)
