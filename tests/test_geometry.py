@@ -3,6 +3,7 @@ pixels which move a unit (gradient of a linear twin of the net) lie inside the c
 reach its border."""
 from __future__ import annotations
 
+import os
 import re
 import sys
 from fractions import Fraction
@@ -105,7 +106,10 @@ def test_field_bounds_the_pixels_that_move_a_unit(path):
 
 
 # -- every deploy net: one impulse forward per pixel checks every unit of every blob ------------
-ALL_DEPLOY = {   # path: input size (reduced where the geometry permits; layers that need more are cut)
+# Every deploy net in ../shared/caffe-models, at an input size the geometry permits (layers that
+# need more are cut). The first group runs by default; BREWNET_ALL_NETS=1 adds the large ones
+# (minutes on 2 cores).
+ALL_DEPLOY = {
     "bvlc/examples/cifar10/cifar10_full.prototxt": 32,
     "bvlc/examples/cifar10/cifar10_quick.prototxt": 32,
     "bvlc/examples/mnist/lenet.prototxt": 28,
@@ -115,6 +119,18 @@ ALL_DEPLOY = {   # path: input size (reduced where the geometry permits; layers 
     "bvlc/models/bvlc_reference_rcnn_ilsvrc13/deploy.prototxt": 64,
     "bvlc/models/finetune_flickr_style/deploy.prototxt": 64,
 }
+LARGE = [f"densenet/DenseNet_{n}.prototxt" for n in (121, 161, 169, 201)] + [
+    "fcn/voc-fcn8s/deploy.prototxt", "mobilenet-ssd/deploy.prototxt",
+    "mobilenet-ssd/voc/MobileNetSSD_deploy.prototxt", "mobilenet/mobilenet_deploy.prototxt",
+    "mobilenet/mobilenet_v2_deploy.prototxt"] + [
+    f"resnet/prototxt/ResNet-{n}-deploy.prototxt" for n in (50, 101, 152)] + [
+    f"soeaver/cls/inception/deploy_{n}.prototxt" for n in ("inception-v2", "inception-v3", "inception-v4", "xception")] + [
+    "soeaver/cls/vgg/deploy_vgg16-pytorch.prototxt", "soeaver/cls/vgg/deploy_vgg16bn-pytorch.prototxt",
+    "squeezenet/SqueezeNet_v1.0/deploy.prototxt", "squeezenet/SqueezeNet_v1.1/deploy.prototxt",
+    "ssd/models/VGGNet/VOC0712/SSD_300x300/deploy.prototxt",
+    "vgg/model/VGG_ILSVRC_16_layers_deploy.prototxt", "vgg/model/VGG_ILSVRC_19_layers_deploy.prototxt"]
+if os.environ.get("BREWNET_ALL_NETS") == "1":
+    ALL_DEPLOY.update({p: 64 for p in LARGE})
 
 
 def _impulse_net(param, size: int):
