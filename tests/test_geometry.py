@@ -17,7 +17,7 @@ from brewnet.net import Net
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import read_net
 
-from helpers import MODELS, need, pick
+from helpers import need, pick
 
 CAFFENET = "bvlc/models/bvlc_reference_caffenet/deploy.prototxt"
 

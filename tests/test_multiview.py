@@ -191,3 +191,31 @@ def test_open_nsfw_image_list_follows_classifier_oversample(tmp_path):
     got, want = classifier_scores(d / "deploy.prototxt", d / "resnet_50_1by2_nsfw.caffemodel", lst, 10,
                                   [104, 117, 123], (256, 256))
     np.testing.assert_allclose(np.concatenate([s for s, _ in got]), want, rtol=1e-5, atol=1e-6)
+
+
+def test_image_data_layer_views(tmp_path):
+    """ImageData (resized to 10 x 10, mean_value, crop 8): the views come from the resized image."""
+    import cv2
+
+    rng = np.random.default_rng(6)
+    lst = tmp_path / "list.txt"
+    with open(lst, "w") as f:
+        for k in range(BATCH):
+            cv2.imwrite(str(tmp_path / f"{k}.png"), rng.integers(0, 256, (14, 12, 3), dtype=np.uint8))
+            f.write(f"{k}.png {k}\n")
+    net = tmp_path / "net.prototxt"
+    net.write_text(f"""name: "mv"
+layer {{ name: "data" type: "ImageData" top: "data" top: "label"
+  transform_param {{ crop_size: {CROP} mean_value: 100 mean_value: 110 mean_value: 120 scale: {SCALE} }}
+  image_data_param {{ source: "{lst}" root_folder: "{tmp_path}/" batch_size: {BATCH} new_height: {H} new_width: {H} }} }}""" + LAYERS)
+    caffe.set_random_seed(8)
+    weights = tmp_path / "w.caffemodel"
+    caffe.Net(str(net), caffe.TEST).save(str(weights))
+    imgs = np.stack([cv2.resize(cv2.imread(str(tmp_path / f"{k}.png")), (H, H), interpolation=cv2.INTER_LINEAR)
+                     for k in range(BATCH)]).transpose(0, 3, 1, 2).astype(np.float32)
+    x = (imgs - np.array([100, 110, 120], np.float32)[:, None, None]) * np.float32(SCALE)
+    d = H - CROP
+    (scores, labels), = data_layer_scores(net, weights, 10, iterations=1)
+    want = by_hand(tmp_path, weights, x, [(0, 0), (0, d), (d, 0), (d, d), (d // 2, d // 2)], CROP)
+    np.testing.assert_allclose(scores, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(labels, np.arange(BATCH))
