@@ -180,7 +180,7 @@ def impulse_check(param, size: int):
     is raised must lie among the units whose field holds p, and span the same box. Inputs are 1
     (so products such as LRN's see their neighbours), every activation stays positive; a pixel
     no unit of a bottom reaches (past the last window of a stride) is held out of the fields
-    above it. Blobs after a strided Deconvolution (whose field is a bound) check inclusion only."""
+    above it. Above a layer where the field is only a bound (``_loose``): inclusion only."""
     net = _impulse_net(param, size)
     rf = receptive_fields(net)
     name = net.inputs[0]
@@ -197,7 +197,7 @@ def impulse_check(param, size: int):
     for layer, bottoms, tops in zip(net.layer_list, net.bottom_lists, net.top_lists):
         if not bottoms:
             continue
-        if any(b in bound for b in bottoms) or (layer.type == "Deconvolution" and max(layer.stride) > 1):
+        if any(b in bound for b in bottoms) or _loose(layer):
             bound |= set(tops)
         for t in tops:
             up = [reach[b] for b in bottoms if b in reach]
@@ -223,6 +223,18 @@ def impulse_check(param, size: int):
                 failures.append((blob, p, describe(field), _box(moved[k]), _box(want)))
             checks += 1
     return failures, checks
+
+
+def _loose(layer) -> bool:
+    """Is the field formula only a bound above this layer: a strided Deconvolution (the union
+    over its phases), or a window layer whose pad reaches a whole kernel, so that its border
+    units see only padding (SqueezeNet v1.0's conv10: 1 x 1, pad 1) and no pixel at all."""
+    if layer.type == "Deconvolution":
+        return max(layer.stride) > 1
+    if layer.type in ("Convolution", "Pooling") and getattr(layer, "kernel", None) is not None:
+        dil = getattr(layer, "dilation", None) or [1] * len(layer.kernel)
+        return any(p >= (k - 1) * d + 1 for k, p, d in zip(layer.kernel, layer.pad, dil))
+    return False
 
 
 def _box(mask):
