@@ -118,19 +118,22 @@ ALL_DEPLOY = {
     "bvlc/models/bvlc_reference_caffenet/deploy.prototxt": 64,
     "bvlc/models/bvlc_reference_rcnn_ilsvrc13/deploy.prototxt": 64,
     "bvlc/models/finetune_flickr_style/deploy.prototxt": 64,
+    "squeezenet/SqueezeNet_v1.0/deploy.prototxt": 64,
+    "squeezenet/SqueezeNet_v1.1/deploy.prototxt": 64,
 }
 LARGE = [f"densenet/DenseNet_{n}.prototxt" for n in (121, 161, 169, 201)] + [
     "fcn/voc-fcn8s/deploy.prototxt", "mobilenet-ssd/deploy.prototxt",
     "mobilenet-ssd/voc/MobileNetSSD_deploy.prototxt", "mobilenet/mobilenet_deploy.prototxt",
     "mobilenet/mobilenet_v2_deploy.prototxt"] + [
     f"resnet/prototxt/ResNet-{n}-deploy.prototxt" for n in (50, 101, 152)] + [
-    f"soeaver/cls/inception/deploy_{n}.prototxt" for n in ("inception-v2", "inception-v3", "inception-v4", "xception")] + [
     "soeaver/cls/vgg/deploy_vgg16-pytorch.prototxt", "soeaver/cls/vgg/deploy_vgg16bn-pytorch.prototxt",
-    "squeezenet/SqueezeNet_v1.0/deploy.prototxt", "squeezenet/SqueezeNet_v1.1/deploy.prototxt",
-    "ssd/models/VGGNet/VOC0712/SSD_300x300/deploy.prototxt",
     "vgg/model/VGG_ILSVRC_16_layers_deploy.prototxt", "vgg/model/VGG_ILSVRC_19_layers_deploy.prototxt"]
+# At 64 the Inception nets and SSD lose their later blocks (cut: too small); 160 keeps them.
+LARGE_160 = [f"soeaver/cls/inception/deploy_{n}.prototxt" for n in ("inception-v2", "inception-v3",
+             "inception-v4", "xception")] + ["ssd/models/VGGNet/VOC0712/SSD_300x300/deploy.prototxt"]
 if os.environ.get("BREWNET_ALL_NETS") == "1":
     ALL_DEPLOY.update({p: 64 for p in LARGE})
+    ALL_DEPLOY.update({p: 160 for p in LARGE_160})
 
 
 def _impulse_net(param, size: int):
