@@ -128,16 +128,17 @@ LARGE = [f"densenet/DenseNet_{n}.prototxt" for n in (121, 161, 169, 201)] + [
     f"resnet/prototxt/ResNet-{n}-deploy.prototxt" for n in (50, 101, 152)] + [
     "soeaver/cls/vgg/deploy_vgg16-pytorch.prototxt", "soeaver/cls/vgg/deploy_vgg16bn-pytorch.prototxt",
     "vgg/model/VGG_ILSVRC_16_layers_deploy.prototxt", "vgg/model/VGG_ILSVRC_19_layers_deploy.prototxt"]
-# At 64 the Inception nets and SSD lose their later blocks (cut: too small); 160 keeps them.
-LARGE_160 = [f"soeaver/cls/inception/deploy_{n}.prototxt" for n in ("inception-v2", "inception-v3",
+# Below their own input size the Inception nets and SSD lose blocks (branches that no longer
+# line up are cut), so they keep it (0).
+LARGE_NATIVE = [f"soeaver/cls/inception/deploy_{n}.prototxt" for n in ("inception-v2", "inception-v3",
              "inception-v4", "xception")] + ["ssd/models/VGGNet/VOC0712/SSD_300x300/deploy.prototxt"]
 if os.environ.get("BREWNET_ALL_NETS") == "1":
     ALL_DEPLOY.update({p: 64 for p in LARGE})
-    ALL_DEPLOY.update({p: 160 for p in LARGE_160})
+    ALL_DEPLOY.update({p: 0 for p in LARGE_NATIVE})
 
 
 def _impulse_net(param, size: int):
-    """The net at a batch of 5 of size x size inputs, MAX pooling made AVE (a MAX unit moves
+    """The net at a batch of 5 of size x size inputs (0: the prototxt's), MAX pooling made AVE (a MAX unit moves
     only when its maximum does), positive weights / fan-in, zero biases, BatchNorm the
     identity, float64. Layers that cannot take the size (and what they feed) are cut."""
     drop: set[str] = set()
@@ -156,7 +157,9 @@ def _impulse_net(param, size: int):
             if lp.type == "Pooling" and lp.pooling_param.pool == pb.PoolingParameter.MAX:
                 lp.pooling_param.pool = pb.PoolingParameter.AVE
             for shape in lp.input_param.shape:
-                shape.dim[0], shape.dim[2], shape.dim[3] = 5, size, size
+                shape.dim[0] = 5
+                if size:
+                    shape.dim[2], shape.dim[3] = size, size
         try:
             net = Net(out, pb.TEST)
             break

@@ -111,7 +111,8 @@ def label_blob(net) -> str | None:
 
 def split_data_layer(param: "pb.NetParameter", views: int, pad: int):
     """For a filtered TEST NetParameter: (the Data/ImageData layer alone without crop and
-    mirror, a function (source shapes) -> the net with that layer replaced by an Input, crop)."""
+    mirror, a function (source top shapes) -> (the net with that layer replaced by an Input of
+    the view size, the view size (h, w)))."""
     idx = [i for i, l in enumerate(param.layer) if l.type in CROPPING and not l.bottom]
     if len(idx) != 1:
         raise ValueError(f"net '{param.name}': multi-view testing needs one Data or ImageData "
@@ -127,17 +128,17 @@ def split_data_layer(param: "pb.NetParameter", views: int, pad: int):
 
     def trunk(shapes):
         (n, c, h, w) = shapes[0]
-        size = crop or h
-        if views == 10 and size >= min(h, w) + 2 * pad:
+        size = (crop, crop) if crop else (h, w)
+        if views == 10 and (size[0] >= h + 2 * pad or size[1] >= w + 2 * pad):
             raise ValueError(
                 f"--views 10 needs crops smaller than the image: layer '{layer.name}' gives "
                 f"{h}x{w} images and " + (f"crop_size {crop}" if crop else "no transform_param.crop_size")
                 + (f", padded by {pad}" if pad else "") + "; give --pad P to crop "
-                f"{size}x{size} views from the image padded by P pixels, or test a net that crops")
+                f"{size[0]}x{size[1]} views from the image padded by P pixels, or test a net that crops")
         out = pb.NetParameter()
         out.CopyFrom(param)
         inp = pb.LayerParameter(name=layer.name, type="Input", top=list(layer.top))
-        for s in [(n, c, size, size)] + [tuple(t) for t in shapes[1:]]:
+        for s in [(n, c) + size] + [tuple(t) for t in shapes[1:]]:
             inp.input_param.shape.add(dim=list(s))
         del out.layer[idx[0]]
         out.layer.insert(idx[0], inp)
@@ -167,7 +168,7 @@ def data_layer_scores(model, weights, views: int, iterations: int, output: str |
     net = Net(trunk_param, pb.TEST, device=device)
     load_weights(net, weights, require_match=True)
     blob, softmax = score_blob(net, output)
-    log.info("Testing %d view(s) of %dx%d%s per image", views, size, size,
+    log.info("Testing %d view(s) of %dx%d%s per image", views, size[0], size[1],
              f" from images padded by {pad}" if pad else "")
     with torch.no_grad():
         for _ in range(iterations):
@@ -178,7 +179,7 @@ def data_layer_scores(model, weights, views: int, iterations: int, output: str |
             labels = source.blobs[tops[1]].tensor.cpu().numpy().reshape(-1).copy() if len(tops) > 1 else None
             for t in tops[1:]:
                 net.blobs[t].data[...] = source.blobs[t].tensor.cpu().numpy()
-            yield forward_views(net, tops[0], take_views(x, (size, size), views), blob, softmax), labels
+            yield forward_views(net, tops[0], take_views(x, size, views), blob, softmax), labels
 
 
 def report(batches, ks, views: int):
