@@ -32,8 +32,8 @@ from .net import NetError  # noqa: E402
 from .proto import caffe_pb2  # noqa: E402
 from .proto.caffe_pb2 import TEST, TRAIN  # noqa: E402
 from .pycaffe import coord_map, draw  # noqa: E402  (pycaffe's caffe.coord_map, caffe.draw)
-from .pycaffe import (AdaDeltaSolver, AdaGradSolver, AdamSolver, Classifier, NesterovSolver,  # noqa: E402
-                      Net, NetSpec, RMSPropSolver, SGDSolver, get_solver, io, params, set_device,
+from .pycaffe import (AdaDeltaSolver, AdaGradSolver, AdamSolver, Classifier, Detector,  # noqa: E402
+                      NesterovSolver, Net, NetSpec, RMSPropSolver, SGDSolver, get_solver, io, params, set_device,
                       set_mode_cpu, set_mode_gpu, set_random_seed, to_proto)
 from .pycaffe import (NCCL, has_nccl, set_multiprocess, set_solver_count, set_solver_rank,  # noqa: E402
                       solver_count, solver_rank)
@@ -48,7 +48,7 @@ def layer_type_list() -> list[str]:
 __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu", "set_mode_gpu",
            "set_device", "set_random_seed", "layer_type_list", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
-           "Layer", "register_layer", "Classifier", "coord_map", "draw", "layers", "params", "NetSpec",
-           "to_proto", "to_torch", "merge_indep_net_spec", "merge_nets", "fully_convolutional",
-           "__version__", "NCCL", "has_nccl", "set_solver_count", "set_solver_rank",
-           "set_multiprocess", "solver_count", "solver_rank", "init_log", "log"]
+           "Layer", "register_layer", "Classifier", "Detector", "coord_map", "draw", "layers",
+           "params", "NetSpec", "to_proto", "to_torch", "merge_indep_net_spec", "merge_nets",
+           "fully_convolutional", "__version__", "NCCL", "has_nccl", "set_solver_count",
+           "set_solver_rank", "set_multiprocess", "solver_count", "solver_rank", "init_log", "log"]

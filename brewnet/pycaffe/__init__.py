@@ -1,9 +1,10 @@
 """pycaffe's surface on top of brewnet's core: ``Net`` with numpy forward/backward and name-keyed
-views, the solvers whose nets are such Nets, ``Classifier``, ``NetSpec`` (``layers``/``params``/
+views, the solvers whose nets are such Nets, ``Classifier``, ``Detector``, ``NetSpec`` (``layers``/``params``/
 ``to_proto``), ``io`` and the process-wide mode. ``import brewnet as caffe`` re-exports it all.
 """
 from . import coord_map, draw, io  # noqa: F401
 from .classifier import Classifier
+from .detector import Detector
 from .mode import init_log, log, set_device, set_mode_cpu, set_mode_gpu, set_random_seed
 from .net import LayerView, Net
 from .net_spec import NetSpec, layer_fn, params, to_proto
@@ -30,7 +31,7 @@ def _install_layer_namespace() -> None:
 
 _install_layer_namespace()
 
-__all__ = ["Net", "LayerView", "Classifier", "coord_map", "draw", "NetSpec", "params", "to_proto", "io", "set_mode_cpu",
+__all__ = ["Net", "LayerView", "Classifier", "Detector", "coord_map", "draw", "NetSpec", "params", "to_proto", "io", "set_mode_cpu",
            "set_mode_gpu", "set_device", "set_random_seed", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver", "NCCL",
            "has_nccl", "set_solver_count", "set_solver_rank", "set_multiprocess", "solver_count",

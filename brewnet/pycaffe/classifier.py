@@ -33,16 +33,23 @@ class Classifier(Net):
 
     def predict(self, inputs, oversample: bool = True) -> np.ndarray:
         """Scores (N x classes) for a list of H x W x K images (float, as ``io.load_image``)."""
-        resized = np.stack([io.resize_image(im, self.image_dims) for im in inputs])
-        if oversample:
-            crops = io.oversample(resized, self.crop_dims)
-        else:
-            centre = (self.image_dims - self.crop_dims) // 2
-            h, w = centre
-            crops = resized[:, h:h + self.crop_dims[0], w:w + self.crop_dims[1], :]
         in_ = self.inputs[0]
-        data = np.stack([self.transformer.preprocess(in_, c) for c in crops]).astype(np.float32)
+        data = prepare(self.transformer, in_, inputs, self.image_dims, self.crop_dims, oversample)
         scores = self.forward_all(**{in_: data})[self.outputs[0]]
         if oversample:
             scores = scores.reshape(len(scores) // 10, 10, -1).mean(1)
         return scores.reshape(len(inputs), -1)
+
+
+def prepare(transformer, in_, images, image_dims, crop_dims, oversample: bool) -> np.ndarray:
+    """Classifier.predict's net input: each image resized to ``image_dims``, then its 10
+    oversampled crops (image by image, oversample's order) or its centre crop, each through the
+    transformer: (N * views, K, crop_h, crop_w) float32."""
+    image_dims, crop_dims = np.asarray(image_dims), np.asarray(crop_dims)
+    resized = np.stack([io.resize_image(im, image_dims) for im in images])
+    if oversample:
+        crops = io.oversample(resized, crop_dims)
+    else:
+        h, w = (image_dims - crop_dims) // 2
+        crops = resized[:, h:h + crop_dims[0], w:w + crop_dims[1], :]
+    return np.stack([transformer.preprocess(in_, c) for c in crops]).astype(np.float32)

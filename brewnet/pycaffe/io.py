@@ -1,9 +1,9 @@
 """pycaffe's ``caffe.io``: BlobProto/Datum <-> array conversions, image loading and resizing,
 oversampling, and the ``Transformer`` that prepares images for a net's input blob.
 
-Same names, arguments and results as pycaffe; images are decoded and resized with OpenCV
-instead of scikit-image (load_image still gives RGB floats in [0, 1]; resize_image is
-bilinear for ``interp_order=1`` but without skimage's anti-aliasing when shrinking).
+Same names, arguments and results as pycaffe; images are decoded with OpenCV instead of
+scikit-image (load_image still gives RGB floats in [0, 1]); resize_image computes pycaffe's
+scikit-image rule with numpy (see its docstring).
 """
 from __future__ import annotations
 
@@ -208,26 +208,67 @@ def _as_float(raw: np.ndarray, color: bool) -> np.ndarray:
     return np.ascontiguousarray(img, dtype=np.float32)
 
 
-_INTERP = {0: "INTER_NEAREST", 1: "INTER_LINEAR", 2: "INTER_CUBIC", 3: "INTER_CUBIC"}
-
-
 def resize_image(im, new_dims, interp_order: int = 1) -> np.ndarray:
-    """(H, W, K) -> (new_dims[0], new_dims[1], K) float32 (0 nearest, 1 bilinear, 2-3 cubic);
-    a constant image stays exactly constant."""
+    """(H, W, K) -> (new_dims[0], new_dims[1], K) float32, by pycaffe's rule.
+
+    1 or 3 channels (pycaffe's skimage path): the image is scaled to [0, 1] by its min and max,
+    resized as scikit-image's ``resize(order, mode='constant')`` of the versions pycaffe was
+    written for (< 0.15) and scaled back. Output pixel i samples the input at
+    ``(i + 0.5) * H / H' - 0.5``; order 1 is bilinear between the 4 neighbours, order 0 the
+    nearest (rounded half away from zero), and a neighbour outside the image reads 0 — after
+    the scaling, the image's minimum: enlarged edges fade towards it. No anti-aliasing when
+    shrinking: scikit-image >= 0.15 Gaussian-smooths first (``anti_aliasing`` defaults to
+    True), which changes pycaffe's numbers; brewnet keeps the rule pycaffe's results were
+    made with. Other channel counts (pycaffe's ``scipy.ndimage.zoom`` path): the corners map to
+    the corners, ``i * (H - 1) / (H' - 1)``, no border term. A constant image stays constant.
+    Differs from pycaffe: orders 2-3 (spline) use OpenCV's bicubic.
+    """
     im = np.asarray(im)
-    if interp_order not in _INTERP:
+    if interp_order not in (0, 1, 2, 3):
         raise ValueError(f"interp_order must be 0..3, got {interp_order}")
     h, w = int(new_dims[0]), int(new_dims[1])
     im_min, im_max = im.min(), im.max()
     if im_max == im_min:
         return np.full((h, w, im.shape[-1]), im_min, dtype=np.float32)
-    src = im.astype(np.float32)
-    # OpenCV handles at most 512 channels per call.
-    interp = getattr(cv(), _INTERP[interp_order])
-    parts = [cv().resize(src[:, :, k:k + 512], (w, h), interpolation=interp)
-             for k in range(0, im.shape[-1], 512)]
-    parts = [p[:, :, np.newaxis] if p.ndim == 2 else p for p in parts]
-    return np.concatenate(parts, axis=2).astype(np.float32)
+    if interp_order > 1:
+        src = im.astype(np.float32)     # OpenCV takes at most 512 channels per call
+        parts = [cv().resize(src[:, :, k:k + 512], (w, h), interpolation=cv().INTER_CUBIC)
+                 for k in range(0, im.shape[-1], 512)]
+        return np.concatenate([p[:, :, None] if p.ndim == 2 else p for p in parts], axis=2)
+    x = im.astype(np.float64)
+    skimage = im.shape[-1] in (1, 3)
+    if skimage:
+        x = (x - im_min) / (im_max - im_min)
+    out = _resample(x, 0, h, interp_order, skimage)
+    out = _resample(out, 1, w, interp_order, skimage)
+    if skimage:
+        out = out * (im_max - im_min) + im_min
+    return out.astype(np.float32)
+
+
+def _resample(x: np.ndarray, axis: int, m: int, order: int, half_pixel: bool) -> np.ndarray:
+    """Resample ``axis`` of ``x`` to m samples: skimage's half-pixel map with zeros outside
+    (``half_pixel``), else ndimage.zoom's corner-to-corner map."""
+    n = x.shape[axis]
+    i = np.arange(m, dtype=np.float64)
+    if half_pixel:
+        pos = (i + 0.5) * (n / m) - 0.5
+    else:
+        pos = i * ((n - 1) / (m - 1)) if m > 1 else np.zeros(1)
+    if order == 0:
+        taps = [(np.where(pos >= 0, np.floor(pos + 0.5), np.ceil(pos - 0.5)), np.ones(m))]  # C round()
+    else:
+        j0 = np.floor(pos)
+        taps = [(j0, 1.0 - (pos - j0)), (j0 + 1, pos - j0)]
+    shape = [1] * x.ndim
+    shape[axis] = m
+    out = 0.0
+    for j, wt in taps:
+        j = j.astype(np.int64)
+        inside = (j >= 0) & (j < n)
+        wt = np.where(inside, wt, 0.0).reshape(shape)
+        out = out + np.take(x, np.clip(j, 0, n - 1), axis=axis) * wt
+    return out
 
 
 def oversample(images, crop_dims) -> np.ndarray:

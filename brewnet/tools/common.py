@@ -110,6 +110,69 @@ def trained_net(args, command: str):
     return net
 
 
+def ints(spec: str, flag: str) -> list[int]:
+    try:
+        return [int(v) for v in spec.split(",")]
+    except ValueError:
+        raise CLIError(f"{flag} '{spec}': expected integers separated by ','") from None
+
+
+def add_image_flags(p) -> None:
+    """pycaffe's Classifier preparation of image files for a deploy net (``image_transformer``)."""
+    p.add_argument("--mean", metavar="FILE|B,G,R", help="mean: .binaryproto, .npy or one value per channel")
+    p.add_argument("--raw-scale", type=float, help="multiply [0, 1] pixels by this (255 for ImageNet nets)")
+    p.add_argument("--input-scale", type=float, help="multiply after the mean is subtracted")
+    p.add_argument("--channel-swap", metavar="2,1,0", help="channel order (2,1,0: RGB -> BGR)")
+    p.add_argument("--image-dims", metavar="H,W", help="resize to this, then crop to the input")
+
+
+def mean_arg(spec: str, shape):
+    """``--mean``: a .binaryproto or .npy (averaged per channel when its shape is not the
+    input's ``shape`` (C, H, W)) or per-channel values."""
+    import numpy as np
+
+    if spec.endswith(".binaryproto"):
+        from ..proto import caffe_pb2 as pb
+        from ..pycaffe.io import blobproto_to_array
+
+        blob = pb.BlobProto()
+        with open(spec, "rb") as f:
+            blob.ParseFromString(f.read())
+        mean = blobproto_to_array(blob)[0]
+    elif spec.endswith(".npy"):
+        mean = np.load(spec, allow_pickle=False)
+    else:
+        try:
+            return np.array([float(v) for v in spec.split(",")], np.float32)
+        except ValueError:
+            raise CLIError(f"--mean '{spec}': expected a file or numbers separated by ','") from None
+    if mean.shape != tuple(shape):     # a 256x256 ImageNet mean for a 227 or 224 input
+        log.info("Mean of shape %s averaged per channel for input %s", mean.shape, tuple(shape))
+        mean = mean.reshape(mean.shape[0], -1).mean(1)
+    return mean
+
+
+def image_transformer(args, name: str, shape):
+    """(pycaffe Transformer for input ``name`` of ``shape`` (N, C, H, W), image dims) from
+    ``add_image_flags``' flags, as pycaffe's Classifier sets them up."""
+    from ..pycaffe import io as cio
+
+    t = cio.Transformer({name: shape})
+    t.set_transpose(name, (2, 0, 1))
+    if args.channel_swap:
+        t.set_channel_swap(name, ints(args.channel_swap, "--channel-swap"))
+    if args.raw_scale is not None:
+        t.set_raw_scale(name, args.raw_scale)
+    if args.mean:
+        t.set_mean(name, mean_arg(args.mean, shape[1:]))
+    if args.input_scale is not None:
+        t.set_input_scale(name, args.input_scale)
+    dims = ints(args.image_dims, "--image-dims") if args.image_dims else list(shape[2:])
+    if len(dims) != 2 or dims[0] < shape[2] or dims[1] < shape[3]:
+        raise CLIError(f"--image-dims {args.image_dims}: two sizes, at least the input's {list(shape[2:])}")
+    return t, dims
+
+
 def prefetching_layers(net) -> list:
     """The net's data layers that fill their batches in a background thread."""
     from ..data.source import Prefetching

@@ -13,7 +13,8 @@ import logging
 import os
 import time
 
-from .common import USER_ERRORS, CLIError, add_bool, add_gpu_flag, log_to_stderr, report, single_device
+from .common import (USER_ERRORS, CLIError, add_bool, add_gpu_flag, add_image_flags, image_transformer,
+                     log_to_stderr, report, single_device)
 
 COMMAND = "serve"
 HELP = "serve a classifier over HTTP: POST /predict, GET /healthz, GET /metrics"
@@ -30,11 +31,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-delay-ms", type=float, default=5.0,
                    help="how long a request waits for others to batch with (5 ms)")
     p.add_argument("--top-k", type=int, default=5, help="classes per answer (5)")
-    p.add_argument("--mean", metavar="FILE|B,G,R", help="mean: .binaryproto, .npy or one value per channel")
-    p.add_argument("--raw-scale", type=float, help="multiply [0, 1] pixels by this (255 for ImageNet nets)")
-    p.add_argument("--input-scale", type=float, help="multiply after the mean is subtracted")
-    p.add_argument("--channel-swap", metavar="2,1,0", help="channel order (2,1,0: RGB -> BGR)")
-    p.add_argument("--image-dims", metavar="H,W", help="resize to this, then centre-crop to the input")
+    add_image_flags(p)
     p.add_argument("--max-body-mb", type=float, default=20.0, help="request body limit (20 MB)")
     p.add_argument("--max-pixels", type=float, default=40e6, help="image size limit (40e6 pixels)")
     p.add_argument("--timeout-ms", type=float, default=10000.0, help="time limit per request (10 s)")
@@ -46,44 +43,12 @@ def add_arguments(p) -> None:
     add_gpu_flag(p)
 
 
-def _ints(spec: str, flag: str) -> list[int]:
-    try:
-        return [int(v) for v in spec.split(",")]
-    except ValueError:
-        raise CLIError(f"{flag} '{spec}': expected integers separated by ','") from None
-
-
-def _mean(spec: str, shape):
-    import numpy as np
-
-    if spec.endswith(".binaryproto"):
-        from ..proto import caffe_pb2 as pb
-        from ..pycaffe.io import blobproto_to_array
-
-        blob = pb.BlobProto()
-        with open(spec, "rb") as f:
-            blob.ParseFromString(f.read())
-        mean = blobproto_to_array(blob)[0]
-    elif spec.endswith(".npy"):
-        mean = np.load(spec, allow_pickle=False)
-    else:
-        try:
-            return np.array([float(v) for v in spec.split(",")], np.float32)
-        except ValueError:
-            raise CLIError(f"--mean '{spec}': expected a file or numbers separated by ','") from None
-    if mean.shape != tuple(shape):     # a 256x256 ImageNet mean for a 227 or 224 input
-        log.info("Mean of shape %s averaged per channel for input %s", mean.shape, tuple(shape))
-        mean = mean.reshape(mean.shape[0], -1).mean(1)
-    return mean
-
-
 def build(args):
     """(Model, input batch if the net fixes it) for the flags."""
     import torch
 
     from ..deploy import to_torch
     from ..net import Net
-    from ..pycaffe import io as cio
     from .serving.app import Model
     from .serving.batcher import INLINE_S
 
@@ -95,19 +60,7 @@ def build(args):
     gm = to_torch(net, fold=args.fold)
     device = single_device(args.gpu, COMMAND)
     gm = gm.to(device)
-    t = cio.Transformer({name: shape})
-    t.set_transpose(name, (2, 0, 1))
-    if args.channel_swap:
-        t.set_channel_swap(name, _ints(args.channel_swap, "--channel-swap"))
-    if args.raw_scale is not None:
-        t.set_raw_scale(name, args.raw_scale)
-    if args.mean:
-        t.set_mean(name, _mean(args.mean, shape[1:]))
-    if args.input_scale is not None:
-        t.set_input_scale(name, args.input_scale)
-    dims = _ints(args.image_dims, "--image-dims") if args.image_dims else list(shape[2:])
-    if len(dims) != 2 or dims[0] < shape[2] or dims[1] < shape[3]:
-        raise CLIError(f"--image-dims {args.image_dims}: two sizes, at least the input's {list(shape[2:])}")
+    t, dims = image_transformer(args, name, shape)
     labels = []
     if args.labels:
         with open(args.labels, encoding="utf-8") as f:

@@ -1,10 +1,18 @@
-"""``brewnet test --model M --weights W --iterations N``: Caffe's ``caffe test``.
+"""``brewnet test --model M --weights W --iterations N``: Caffe's ``caffe test``, and owl's
+multi-view tester.
 
 Builds the net in the TEST phase (with ``--level``/``--stage``), loads the weights and runs
 ``iterations`` forward passes; logs each output element per batch (``Batch i, name = v``), then
 the mean loss (``Loss: L``) and each output's mean (``name = m``, with ``(* w = l loss)`` for
 loss outputs), in Caffe's words and order. The net must read its own data (Data, ImageData,
 HDF5Data, DummyData...); Input blobs stay as they are (zeros), as with Caffe.
+
+With ``--views 10``, ``--top-k`` or ``--images`` it scores class probabilities instead
+(``brewnet.analysis.multiview``): ``--views 10`` averages ``--output`` (default: the Softmax
+top) over the 10 oversampled crops, taken before the Data/ImageData layer's crop (``--pad P``
+for a net that does not crop); ``--images list.txt`` ('path label' lines) feeds a deploy net
+image files prepared as pycaffe's ``Classifier.predict`` does; ``--top-k 1,5`` is the accuracy
+reported, per batch with its running mean and in a summary.
 """
 from __future__ import annotations
 
@@ -12,7 +20,8 @@ import logging
 
 import numpy as np
 
-from .common import USER_ERRORS, add_gpu_flag, add_net_state_flags, report, size_threads, trained_net
+from .common import (USER_ERRORS, CLIError, add_gpu_flag, add_image_flags, add_net_state_flags,
+                     image_transformer, ints, report, single_device, size_threads, trained_net)
 
 COMMAND = "test"
 HELP = "score a model: run N test batches and average its outputs (Caffe's 'caffe test')"
@@ -25,7 +34,17 @@ def add_arguments(p) -> None:
     p.add_argument("--weights", "-weights", required=True, metavar="W",
                    help="trained weights (.caffemodel or .caffemodel.h5)")
     p.add_argument("--iterations", "-iterations", type=int, default=50, metavar="N",
-                   help="number of batches to run (default 50)")
+                   help="number of batches to run (default 50; with --images: the whole list)")
+    p.add_argument("--views", type=int, choices=(1, 10), default=1,
+                   help="1: as the net crops; 10: 4 corners + centre and their mirrors, averaged")
+    p.add_argument("--top-k", default="", metavar="1,5", help="report top-k accuracy (default 1)")
+    p.add_argument("--output", default="", metavar="BLOB", help="the class scores (default: the Softmax top)")
+    p.add_argument("--pad", type=int, default=0, metavar="P",
+                   help="--views 10: zero-pad the transformed images by P pixels before cropping")
+    p.add_argument("--images", default="", metavar="LIST", help="'path label' lines for a deploy net")
+    p.add_argument("--root-folder", default="", help="prefix of the --images paths (as ImageData's)")
+    p.add_argument("--batch", type=int, default=0, help="--images per forward (default: the input's)")
+    add_image_flags(p)
     add_gpu_flag(p)
     add_net_state_flags(p)
 
@@ -55,6 +74,68 @@ def score(net, iterations: int) -> tuple[float, list[tuple[str, float, float]]]:
     return float(loss), [(n, weights[n], float(m)) for n, m in zip(names, means)]
 
 
+def image_list_scores(net, args, views: int):
+    """Yield (scores averaged over the views, labels) for the images of ``args.images`` in
+    batches, prepared as pycaffe's Classifier.predict (resize to --image-dims, oversample or
+    centre crop, Transformer)."""
+    from ..analysis.multiview import forward_views, score_blob
+    from ..data.convert import read_list
+    from ..pycaffe import io
+    from ..pycaffe.classifier import prepare
+
+    if len(net.inputs) != 1 or len(net.shapes[net.inputs[0]]) != 4:
+        raise CLIError(f"{args.model}: --images needs a deploy net with one (N, C, H, W) Input; it has "
+                       f"{[(n, net.shapes[n]) for n in net.inputs] or 'none'}")
+    name, shape = net.inputs[0], net.shapes[net.inputs[0]]
+    t, dims = image_transformer(args, name, (1,) + tuple(shape[1:]))
+    if views == 10 and tuple(dims) == tuple(shape[2:]):
+        raise CLIError(f"--views 10 needs --image-dims larger than the net's {shape[2]}x{shape[3]} "
+                       "input (e.g. 256,256 for a 227 or 224 net): the crops would all be the image")
+    blob, softmax = score_blob(net, args.output)
+    lines = read_list(args.images)
+    batch = args.batch or shape[0]
+    for s in range(0, len(lines), batch):
+        part = lines[s:s + batch]
+        images = []
+        for path, _, lineno in part:
+            try:
+                images.append(io.load_image(args.root_folder + path, color=shape[1] == 3))
+            except OSError as e:
+                raise OSError(f"{args.images} line {lineno}: {e}") from None
+        data = prepare(t, name, images, dims, shape[2:], views == 10)
+        yield (forward_views(net, name, [data[v::views] for v in range(views)], blob, softmax),
+               np.array([label for _, label, _ in part]))
+
+
+def run_multiview(args) -> None:
+    from .. import runtime
+    from ..analysis import multiview
+
+    ks = sorted(set(ints(args.top_k, "--top-k"))) if args.top_k else [1]
+    if min(ks) < 1:
+        raise CLIError(f"--top-k {args.top_k}: k must be at least 1")
+    if args.images:
+        net = trained_net(args, COMMAND)
+        size_threads(net)
+        batches = image_list_scores(net, args, args.views)
+    elif args.views == 10 or args.pad:
+        device = single_device(args.gpu, COMMAND)
+        runtime.configure(device)
+        batches = multiview.data_layer_scores(args.model, args.weights, args.views, args.iterations,
+                                              args.output, args.pad, args.level,
+                                              [s for s in args.stage.split(",") if s], device)
+    else:
+        net = trained_net(args, COMMAND)
+        size_threads(net)
+        if net.inputs and not multiview.label_blob(net):
+            raise CLIError(f"{args.model}: the net has an Input layer and no data layer; give "
+                           "--images list.txt to test a deploy net")
+        if not multiview.label_blob(net):
+            raise CLIError(f"--top-k needs labels: no data layer of net '{net.name}' has a label top")
+        batches = multiview.net_batches(net, args.iterations, args.output)
+    multiview.report(batches, ks, args.views)
+
+
 def run(args) -> int:
     from ..analysis.glog import setup_logging
 
@@ -62,6 +143,9 @@ def run(args) -> int:
     if args.iterations < 1:
         return report(COMMAND, f"--iterations must be at least 1, got {args.iterations}")
     try:
+        if args.views == 10 or args.top_k or args.images or args.pad:
+            run_multiview(args)
+            return 0
         net = trained_net(args, COMMAND)
         size_threads(net)
         log.info("Running for %d iterations.", args.iterations)
