@@ -355,3 +355,24 @@ def test_a_shard_takes_the_running_indices_of_its_rank(tmp_path, kind):
         got[phase] = [int(x) for _ in range(3) for x in (net.forward_tensors(), net.blobs["label"].tensor)[1]]
     assert got[pb.TRAIN] == [1, 4, 7, 0, 3, 6, 9, 2, 5, 8, 1, 4]
     assert got[pb.TEST] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]      # Caffe tests on rank 0 unsharded
+
+
+def test_a_hung_worker_stops_the_others_within_the_timeout(db, tmp_path):
+    # SIGSTOP freezes rank 1 (its heartbeat thread too): rank 0's allreduce times out after
+    # --timeout and the stale heartbeat names rank 1.
+    path = solver(tmp_path, db, "h", B, max_iter=100000)
+    timeout, took = 5, {}
+
+    def during(procs, store):
+        while beat(store, 1) < 3:
+            time.sleep(0.02)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        procs[0].join(120)
+        took["s"] = time.monotonic() - t0
+        os.kill(procs[1].pid, signal.SIGKILL)
+
+    (c0, log0), _ = workers(2, ["train", "--solver", str(path), "--timeout", str(timeout)],
+                            tmp_path / "logs", during=during)
+    assert c0 != 0 and "lost rank 1" in log0, log0[-2000:]
+    assert took["s"] < timeout + 15
