@@ -77,8 +77,8 @@ def net_prefix(k: int):
 
 def _col(values, like: torch.Tensor) -> torch.Tensor:
     """Per-net float32 scalars as a (m, 1, ...) column broadcasting over ``like`` (m, ...)."""
-    return torch.tensor(np.asarray(values, dtype=np.float32), device=like.device).to(
-        like.dtype).view(-1, *([1] * (like.dim() - 1)))
+    col = torch.from_numpy(np.asarray(values, dtype=np.float32))
+    return col.to(device=like.device, dtype=like.dtype).view(-1, *([1] * (like.dim() - 1)))
 
 
 def as_dtype(solver, dtype) -> None:
