@@ -35,7 +35,8 @@ load average of ~20, so compare within a row):
 
 Explicit wide operators in channels_last win for LeNet (oneDNN's grouped kernels are ~2x faster
 in NHWC than in NCHW, and beat K separate convolutions); ``torch.func`` vmap pays a fixed few ms
-per call (more than the ip net's whole step) on top of the same batched kernels. For the ip net the compute is tiny either way: what fusing saves there is the
+per call (more than the ip net's whole step) on top of the same batched kernels. For the ip
+net the compute is tiny either way: what fusing saves there is the
 K-fold per-step overhead of K solvers (data, Python, K small updates), not FLOPs. Explicit ops
 also keep Caffe's layer semantics (its pooling and loss functions run unchanged).
 """
