@@ -149,6 +149,17 @@ def test_log_lines_carry_the_net_prefix(lenet, caplog):
         assert f"[s{k}] Optimization Done." in mine
 
 
+def test_one_data_stream_feeds_all_nets(lenet):
+    params = [solver(lenet, k, test_interval=0) for k in range(3)]
+    for p in params:
+        del p.test_iter[:]
+    fs = FusedSolvers(params, device="cpu")
+    fs.step(3)
+    readers = [s.net.layer_list[0] for s in fs.solvers]
+    assert readers[0].prefetcher.batches == 3                 # batches taken by the fused net
+    assert all(r.prefetcher is None for r in readers[1:])     # the others stopped reading
+
+
 def test_snapshots_named_and_formatted_as_alone(lenet, tmp_path):
     params = [solver(lenet, k, max_iter=20, snapshot=10) for k in range(2)]
     for k, p in enumerate(params):

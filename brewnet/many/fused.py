@@ -15,14 +15,30 @@ outputs are exactly its Test lines), ``snapshot``/``snapshot_prefix`` and ``max_
 lines start with ``[sK] ``. Updates are grouped by solver type: nets are stacked sorted by (type,
 -max_iter), so each group is a contiguous slice whose still-running nets are a prefix of it.
 
-Not bitwise equal to training alone (the tests measure how close): the wide convolution and the
-batched matmuls sum in another order than each net's own kernels, and the update uses broadcast
-per-net scalars rather than the single-net fused SGD kernel. Dropout masks and random transforms
-come from one stream for all K (alone, each net draws its own).
+In float64 (``dtype``) each net equals its solver alone to ~1e-13 relative. In float32 it is not
+bitwise: the wide convolution (NHWC, grouped) and the batched matmuls sum in another order than
+each net's own kernels (~1e-7 after a step), which training carries on and max-pooling near-ties
+and Adam amplify (``tests/test_fused.py`` says how far). The update rules round as alone (per
+net float32 scalars, clip norms summed per blob). Dropout masks and random transforms come from
+one stream for all K (alone, each net draws its own).
 
-Formulation, chosen by measurement (``benchmarks/fused.py --formulations``, 2-core CPU, forward
-+ backward + update of K nets): see the table in that script's output, summarised here:
-FORMULATION_NOTE
+Formulation, chosen by measurement (``benchmarks/fused.py --formulations``: one forward and
+backward of K nets in plain torch, ms, 1 thread, medians of 7 on the shared 2-core CPU under a
+load average of ~20, so compare within a row):
+
+    K:                       1      2      4      8
+    LeNet loop (K nets)    126    223    541   1134
+    LeNet wide, NCHW       120    238    592   1304
+    LeNet wide, NHWC        79    139    447    850
+    LeNet vmap             133    289    780   1497
+    ip net loop / wide    0.4/0.4  0.7/0.5  1.2/0.8  1.8/4.2;  vmap 6-10 ms at every K
+
+Explicit wide operators in channels_last win for LeNet (oneDNN's grouped kernels are ~2x faster
+in NHWC than in NCHW, and beat K separate convolutions); ``torch.func`` vmap pays a fixed few ms
+per call (more than the ip net's whole step) on top of the same batched kernels. For the ip
+net the compute is tiny either way: what fusing saves there is the
+K-fold per-step overhead of K solvers (data, Python, K small updates), not FLOPs. Explicit ops
+also keep Caffe's layer semantics (its pooling and loss functions run unchanged).
 """
 from __future__ import annotations
 
@@ -62,8 +78,8 @@ def net_prefix(k: int):
 
 def _col(values, like: torch.Tensor) -> torch.Tensor:
     """Per-net float32 scalars as a (m, 1, ...) column broadcasting over ``like`` (m, ...)."""
-    return torch.tensor(np.asarray(values, dtype=np.float32), device=like.device).to(
-        like.dtype).view(-1, *([1] * (like.dim() - 1)))
+    col = torch.from_numpy(np.asarray(values, dtype=np.float32))
+    return col.to(device=like.device, dtype=like.dtype).view(-1, *([1] * (like.dim() - 1)))
 
 
 def as_dtype(solver, dtype) -> None:
