@@ -10,9 +10,11 @@ DIR holds vtest.avi, Megamind.avi and tree.avi from Debian's opencv-doc package:
 convolutional (``brewnet.fully_convolutional``):
 
 - open_nsfw (ResNet-50 1by2, 2 classes), split after res2 (``eltwise_stage0_block2``, stride
-  4): conv1 + res2 are ~20% of its FLOPs, res3-res5 + the classifier the rest, so a skipped
-  high part saves most of the work, and the adaptive measure looks at mid-level features;
-- CIFAR-10 "full" (10 classes, 32 x 32 windows at stride 8), split after ``norm1``.
+  4): at 320 x 240, conv1 + res2 are 28% of its FLOPs (``Layer.flops``), res3-res5 and the
+  classifier the rest, so a skipped high part saves most of the work, and the adaptive
+  measure looks at mid-level features;
+- CIFAR-10 "full" (10 classes, 32 x 32 windows at stride 8), split after ``norm1`` (conv1,
+  pool1, LRN: 20% of its FLOPs at 320 x 240).
 
 Each video's first ``--frames`` frames are decoded once and resized to ``--width`` (height
 from the aspect ratio; decoding is not timed). Per video and net: ``every:1`` (per frame, the
