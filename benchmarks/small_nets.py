@@ -40,7 +40,7 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHO
 # name: (timed steps in a script, CLI max_iter, CLI display, unit, goal, real Caffe (issue 14))
 WORK = {"logreg": (10000, 10000, 1000, "s/10k it", 0.5, "pycaffe 0.027 s"),
         "ip": (2000, 4000, 500, "us/step", 100.0, ""),
-        "lenet": (200, 400, 50, "ms/step", 7.0, "CPU ~22 ms/step")}
+        "lenet": (100, 400, 50, "ms/step", 7.0, "CPU ~22 ms/step")}
 SCALE = {"s/10k it": 1e4, "us/step": 1e6, "ms/step": 1e3}
 
 
