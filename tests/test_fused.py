@@ -183,7 +183,12 @@ def test_snapshots_named_and_formatted_as_alone(lenet, tmp_path):
             assert h.shape == r.shape and np.abs(h - r).max() <= F32_TOL * np.abs(r).max()
     assert sorted(p.name for p in tmp_path.glob("fused0_*")) == [
         "fused0_iter_10.caffemodel", "fused0_iter_10.solverstate",
-        "fused0_iter_20.caffemodel", "fused0_iter_20.solverstate"]
+        "fused0_iter_10.solverstate.cursors.json",
+        "fused0_iter_20.caffemodel", "fused0_iter_20.solverstate",
+        "fused0_iter_20.solverstate.cursors.json"]
+    for it in (10, 20):             # each net's data position, as alone
+        assert (tmp_path / f"fused1_iter_{it}.solverstate.cursors.json").read_bytes() == \
+            (tmp_path / f"alone1_iter_{it}.solverstate.cursors.json").read_bytes()
     # The fused net's file loads into a fresh net and equals the fused params.
     fresh = SOLVERS["SGD"](params[1], device="cpu")
     fresh.net.copy_from(tmp_path / "fused1_iter_20.caffemodel")

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "brewnet"
 # What sits on top of the core: pycaffe's surface, the commands and the analysis helpers.
-SHELLS = ("brewnet.pycaffe", "brewnet.tools", "brewnet.cli", "brewnet.analysis")
+SHELLS = ("brewnet.pycaffe", "brewnet.tools", "brewnet.cli", "brewnet.__main__", "brewnet.analysis")
 
 
 def module_name(path: Path) -> str:

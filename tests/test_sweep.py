@@ -86,9 +86,12 @@ def test_sweep_together_equals_each_variant_alone(solver_file, tmp_path, capsys)
     for name, p in variants(str(solver_file), parse_sets(argv[4:8:2]), str(tmp_path / "alone")):
         files = sorted(x.name for x in (out / name).glob("*_iter_*"))
         assert files == ["tiny_solver_iter_3.caffemodel", "tiny_solver_iter_3.solverstate",
-                         "tiny_solver_iter_6.caffemodel", "tiny_solver_iter_6.solverstate"]
+                         "tiny_solver_iter_3.solverstate.cursors.json",
+                         "tiny_solver_iter_6.caffemodel", "tiny_solver_iter_6.solverstate",
+                         "tiny_solver_iter_6.solverstate.cursors.json"]
         get_solver(p).solve()
-        assert (out / name / files[2]).read_bytes() == (tmp_path / "alone" / name / files[2]).read_bytes()
+        for f in (files[3], files[5]):      # the .solverstate names its own folder
+            assert (out / name / f).read_bytes() == (tmp_path / "alone" / name / f).read_bytes(), f
         train, test = parse_log(out / name / "train.log")      # its own log, a plain one
         assert [r["NumIters"] for r in train] == [0, 2, 4]
         assert [r["NumIters"] for r in test] == [0, 3, 6]

@@ -195,6 +195,17 @@ def _is_source(layer) -> bool:
     return layer.exact_bottoms == 0 and layer.routing and layer.type != "Input"
 
 
+def _share_position(leader, others) -> None:
+    """The others' data layers stand where the leader's does (their snapshots' data cursors say
+    so, as alone); each keeps its own RNG state, which a shared stream never moves."""
+    state = getattr(leader, "consumed_state", None)
+    if state is None:
+        return
+    for layer in others:
+        own = getattr(layer, "consumed_state", None) or {}
+        layer.consumed_state = {**state, **{k: v for k, v in own.items() if k == "rng"}}
+
+
 class FusedNet:
     """K train nets of one architecture as one net of wide operators.
 
@@ -225,6 +236,7 @@ class FusedNet:
         for i, layer in enumerate(ref.layer_list):
             if _is_source(layer):
                 tops = [Val("shared", t) for t in layer.forward([])]
+                _share_position(layer, [net.layer_list[i] for net in self.nets[1:]])
             else:
                 fn, arg = WIDE[layer.type]
                 ins = [vals[b] for b in ref.bottom_lists[i]]

@@ -58,7 +58,7 @@ class DataStream:
     def attach(self, layer, consumer, who: str) -> None:
         self._pos[consumer] = self._base
         self.consumers.append(who)
-        layer.forward = functools.partial(self._take, consumer)
+        layer.forward = functools.partial(self._take, consumer, layer)
         if layer is not self.layer and getattr(layer, "prefetcher", None) is not None:
             layer.prefetcher.close()      # never started: it read nothing
             layer.prefetcher = None
@@ -67,15 +67,22 @@ class DataStream:
         self._pos.pop(consumer, None)
         self._trim()
 
-    def _take(self, consumer, bottoms):
+    def _take(self, consumer, layer, bottoms):
         if consumer not in self._pos:
             raise SolverError(f"solver {consumer[0]} has finished solving and its data stream has "
                               "moved on; train it further in a new TrainTogether")
         i = self._pos[consumer] - self._base
         if i == len(self._batches):
-            self._batches.append(self._read(bottoms))
+            # with the leader's position after it: each consumer's snapshot records where
+            # its own data stands (brewnet.data.cursors), as it would alone
+            self._batches.append((self._read(bottoms), getattr(self.layer, "consumed_state", None)))
             self.reads += 1
-        out = self._batches[i]
+        out, state = self._batches[i]
+        if state is not None:
+            own = getattr(layer, "consumed_state", None) or {}
+            # the position is the leader's; the RNG stays the consumer's own (a shared stream
+            # draws no random numbers, so it never moved)
+            layer.consumed_state = {**state, **{k: v for k, v in own.items() if k == "rng"}}
         self._pos[consumer] += 1
         self._trim()
         return list(out)
