@@ -3,7 +3,13 @@
 The policy, for a Solver's training net (``Solver``) and a pycaffe ``Net``'s forward:
 - **Tiny ops: one thread.** When no layer of the net does more than ``TINY_FLOPS`` of work per
   pass, an OpenMP team only adds barriers (a logistic regression, an MLP, batch-1 LeNet).
-- **Otherwise measured.** The net starts on the ceiling (the usable cores, or what the CLI
+- **Training: fixed.** A Solver's net keeps that first choice (one thread, or the ceiling) for
+  the whole run: a thread count changes how reductions are split, so switching on timings would
+  make a run's numbers depend on the machine's load (a resumed run, or K nets trained together,
+  would no longer equal the uninterrupted or lone run bit for bit). Passive waiting (below) is
+  what keeps a training team from collapsing under a busy neighbour. ``BREWNET_THREADS=adaptive``
+  turns the timing on for training too, at the price of that reproducibility.
+- **Inference: measured.** A forward-only net starts on the ceiling (the usable cores, or what the CLI
   planned beside its data threads); after a few calls it times a block of calls on the ceiling
   and a block on one thread and keeps the faster, and it re-times the other choice every
   ``RECHECK_S`` seconds, or at once when calls become 1.5x slower than when it chose. A busy
@@ -32,6 +38,7 @@ TINY_FLOPS = 4e6       # below this per layer and pass, threads cost more than t
 BLOCK = 5              # calls timed per choice
 WARMUP = 3             # calls before the first timing (allocator, oneDNN primitive caches)
 RECHECK_S = 10.0
+ADAPTIVE = "adaptive"   # BREWNET_THREADS=adaptive: timed choice in training as well
 _initial = torch.get_num_threads()      # torch's count when brewnet was imported
 _ours: list[int] = []                   # the last count brewnet set
 
@@ -47,11 +54,12 @@ def user_threads() -> int | None:
     """The count the user fixed (``BREWNET_THREADS``, ``OMP_NUM_THREADS``, or a
     ``torch.set_num_threads`` brewnet did not make), else None."""
     env = os.environ.get("BREWNET_THREADS", "").strip()
-    if env:
+    if env and env != ADAPTIVE:
         try:
             n = int(env)
         except ValueError:
-            raise ValueError(f"BREWNET_THREADS={env!r}: expected a positive integer") from None
+            raise ValueError(f"BREWNET_THREADS={env!r}: expected a positive integer or "
+                             f"'{ADAPTIVE}'") from None
         if n < 1:
             raise ValueError(f"BREWNET_THREADS={env!r}: expected a positive integer")
         return n
@@ -99,13 +107,19 @@ def largest_op_flops(net) -> int:
     return out
 
 
+def timed_training() -> bool:
+    """Whether a Solver's thread count may follow timings (``BREWNET_THREADS=adaptive``)."""
+    return os.environ.get("BREWNET_THREADS", "").strip() == ADAPTIVE
+
+
 class Tuner:
     """Thread choice for one net's repeated calls: ``with tuner: run()`` around each call."""
 
     clock = staticmethod(time.perf_counter)
 
-    def __init__(self, net, name: str = ""):
+    def __init__(self, net, name: str = "", timed: bool = True):
         self.name = name or getattr(net, "name", "")
+        self.timed = timed                # False: the size rule's choice, kept (training)
         self._net = weakref.ref(net)
         self._plan(net)
 
@@ -144,6 +158,8 @@ class Tuner:
         self.calls += 1
         if self.tiny or ceiling() == 1:
             self.choice = 1
+            return False
+        if not self.timed:
             return False
         if self._trial:
             self._trial[-1][1].append(dt)

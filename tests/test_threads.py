@@ -126,6 +126,19 @@ def test_slowdown_triggers_a_new_choice(monkeypatch):
     assert tuner.choice == 1
 
 
+@pytest.mark.parametrize("env,expect", [("", 2), ("adaptive", 1)])
+def test_training_keeps_its_thread_count_unless_adaptive(monkeypatch, env, expect):
+    """A Solver's count does not follow timings (the numbers would depend on the load)."""
+    monkeypatch.setenv("BREWNET_THREADS", env)
+    net = brewnet.Net(parse_net_text(BIG), brewnet.TEST)
+    tuner = threads.Tuner(net, timed=threads.timed_training())
+    monkeypatch.setattr(tuner, "clock", FakeClock({1: 1.0, 2: 3.0}))   # one thread is faster
+    for _ in range(threads.WARMUP + 2 * threads.BLOCK + 1):
+        with tuner:
+            pass
+    assert tuner.choice == expect
+
+
 def test_pycaffe_forward_plans_threads():
     torch.set_num_threads(2)
     threads._initial = 2

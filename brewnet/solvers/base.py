@@ -99,7 +99,8 @@ class Solver:
                         for t in self.net.learnable]
         self._pending_steps: list[tuple[torch.Tensor, torch.Tensor]] = []   # (diff, step)
         self._zero_history: set[int] = set()      # learnable indices whose history is all 0
-        self.threads = threads.Tuner(self.net)   # torch's threads for this net's steps
+        # torch's threads for this net's steps: fixed for the run (reproducible numbers)
+        self.threads = threads.Tuner(self.net, timed=threads.timed_training())
         self.restored_cursors: list | None = None  # every rank's data cursors, from restore()
         self.replicas = None    # brewnet.parallel.Replicas when other workers train with this one
         log.info("Solver scaffolding done.")
