@@ -4,6 +4,7 @@ largest relative difference of the graph module and of onnxruntime, or why it ca
 
     python benchmarks/export.py                       # all (DenseNets and VGGs take minutes each)
     python benchmarks/export.py --nets resnet,vgg     # those whose path (under caffe-models) has one
+    python benchmarks/export.py --nets ResNet-152 --logits  # drop a final Softmax first
     python benchmarks/export.py path/to/deploy.prototxt ...
 """
 from __future__ import annotations
@@ -44,10 +45,12 @@ def rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def check(path: Path, out: Path) -> str:
+def check(path: Path, out: Path, logits: bool = False) -> str:
     import onnxruntime as ort
 
     param = read_net(str(path))
+    if logits and param.layer and param.layer[-1].type == "Softmax":
+        del param.layer[-1]          # compare the logits: a saturated softmax hides differences
     if not any(lp.type == "Input" for lp in param.layer):      # before building its data layers
         return "skip: no Input layer (a train/val net)"
     for lp in param.layer:
@@ -92,6 +95,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*", type=Path, help="prototxts (default: every one under ../shared/caffe-models)")
     ap.add_argument("--nets", default="", help="comma-separated substrings; keep the paths holding one")
+    ap.add_argument("--logits", action="store_true", help="drop a final Softmax (for nets whose "
+                    "random-weight outputs saturate)")
     args = ap.parse_args()
     paths = args.paths or sorted(
         p for p in (SHARED / "caffe-models").rglob("*.prototxt") if "solver" not in p.name and "labelmap" not in p.name)
@@ -102,7 +107,7 @@ def main() -> int:
         for p in paths:
             t0 = time.perf_counter()
             try:
-                line = check(p, Path(d) / "net.onnx")
+                line = check(p, Path(d) / "net.onnx", args.logits)
             except Exception as e:  # noqa: BLE001  (a table row, not a crash)
                 msg = str(e).splitlines()[0][:200] if str(e) else ""
                 line = f"error: {type(e).__name__}: {msg.replace(str(SHARED.resolve()), '../shared')}"
