@@ -10,6 +10,23 @@ from .net import Net
 from ..proto import caffe_pb2 as pb
 
 
+def deploy_transformer(net, mean=None, input_scale=None, raw_scale=None, channel_swap=None):
+    """pycaffe's Classifier/Detector set-up: an ``io.Transformer`` for the net's first input,
+    HWC images to CHW, with whichever of the four settings were given."""
+    in_ = net.inputs[0]
+    t = io.Transformer({in_: net.blobs[in_].shape})
+    t.set_transpose(in_, (2, 0, 1))
+    if mean is not None:
+        t.set_mean(in_, mean)
+    if input_scale is not None:
+        t.set_input_scale(in_, input_scale)
+    if raw_scale is not None:
+        t.set_raw_scale(in_, raw_scale)
+    if channel_swap is not None:
+        t.set_channel_swap(in_, channel_swap)
+    return t
+
+
 class Classifier(Net):
     """``Classifier(model_file, pretrained_file, image_dims=None, mean=None, input_scale=None,
     raw_scale=None, channel_swap=None)``; ``mean`` is per channel (K,) or K x H x W."""
@@ -18,16 +35,7 @@ class Classifier(Net):
                  raw_scale=None, channel_swap=None):
         super().__init__(model_file, pb.TEST, weights=pretrained_file)
         in_ = self.inputs[0]
-        self.transformer = t = io.Transformer({in_: self.blobs[in_].shape})
-        t.set_transpose(in_, (2, 0, 1))
-        if mean is not None:
-            t.set_mean(in_, mean)
-        if input_scale is not None:
-            t.set_input_scale(in_, input_scale)
-        if raw_scale is not None:
-            t.set_raw_scale(in_, raw_scale)
-        if channel_swap is not None:
-            t.set_channel_swap(in_, channel_swap)
+        self.transformer = deploy_transformer(self, mean, input_scale, raw_scale, channel_swap)
         self.crop_dims = np.array(self.blobs[in_].shape[2:])
         self.image_dims = np.array(image_dims if image_dims is not None else self.crop_dims)
 

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from . import io
+from .classifier import deploy_transformer
 from .net import Net
 from ..proto import caffe_pb2 as pb
 
@@ -29,17 +30,7 @@ class Detector(Net):
     def __init__(self, model_file, pretrained_file, mean=None, input_scale=None, raw_scale=None,
                  channel_swap=None, context_pad=None):
         super().__init__(model_file, pb.TEST, weights=pretrained_file)
-        in_ = self.inputs[0]
-        self.transformer = t = io.Transformer({in_: self.blobs[in_].shape})
-        t.set_transpose(in_, (2, 0, 1))
-        if mean is not None:
-            t.set_mean(in_, mean)
-        if input_scale is not None:
-            t.set_input_scale(in_, input_scale)
-        if raw_scale is not None:
-            t.set_raw_scale(in_, raw_scale)
-        if channel_swap is not None:
-            t.set_channel_swap(in_, channel_swap)
+        self.transformer = deploy_transformer(self, mean, input_scale, raw_scale, channel_swap)
         self.configure_crop(context_pad)
 
     def detect_windows(self, images_windows) -> list[dict]:
