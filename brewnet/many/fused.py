@@ -42,7 +42,6 @@ also keep Caffe's layer semantics (its pooling and loss functions run unchanged)
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -52,6 +51,7 @@ import torch
 
 from ..solvers import SOLVERS
 from ..solvers.guards import LossNotFiniteError
+from ..solvers.logprefix import log_prefix
 from ..solvers.lr_policy import policy
 from ..solvers.nets import load_solver_param
 from .fused_layers import FuseError, FusedNet
@@ -61,19 +61,9 @@ f32 = np.float32
 __all__ = ["FusedSolvers", "FuseError"]
 
 
-@contextlib.contextmanager
 def net_prefix(k: int):
-    """While active, brewnet's log lines start with ``[sK] ``."""
-    class Prefix(logging.Filter):
-        def filter(self, record):
-            record.msg = f"[s{k}] {record.msg}"
-            return True
-    f = Prefix()
-    log.addFilter(f)
-    try:
-        yield
-    finally:
-        log.removeFilter(f)
+    """While active, brewnet's log lines start with ``[sK] `` (the solvers' own mechanism)."""
+    return log_prefix(f"[s{k}] ")
 
 
 def _col(values, like: torch.Tensor) -> torch.Tensor:
