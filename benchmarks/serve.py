@@ -71,10 +71,19 @@ def cpu_self() -> float:
 
 
 def cpu_of(pid: int) -> float:
-    """User + system CPU seconds of a process so far (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds so far of a process (all its threads) and of its live child
+    processes (``--workers N``), from /proc."""
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                total += sum(cpu_of(int(c)) for c in f.read().split())
+    except FileNotFoundError:        # gone meanwhile
+        pass
+    return total
 
 
 async def _raw(port, reqs, n, conc, lat, codes):

@@ -44,8 +44,8 @@ def jpeg() -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-worker", "2-workers"])
+def server(tmp_path_factory, request):
     d = tmp_path_factory.mktemp("serve")
     weights = d / "lenet.caffemodel"
     Net(str(LENET)).save(str(weights))          # the fillers' weights, as a real caffemodel
@@ -53,7 +53,7 @@ def server(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-m", "brewnet.cli", "serve", "--model", str(LENET),
                              "--weights", str(weights), "--port", str(port), "--max-batch", "8",
-                             "--max-delay-ms", "5"], env=env, stderr=subprocess.PIPE, text=True)
+                             "--max-delay-ms", "5", "--workers", str(request.param)], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
         try:
@@ -66,6 +66,26 @@ def server(tmp_path_factory):
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+def test_workers_share_the_port_and_the_metrics(server):
+    """Connections reach every worker, and /metrics (from whichever answers) counts them all."""
+    url, _ = server
+    workers = 2 if "2-workers" in os.environ.get("PYTEST_CURRENT_TEST", "") else 1
+    pids, deadline = set(), time.monotonic() + 120     # a worker may still be loading its net
+    while len(pids) < workers and time.monotonic() < deadline:
+        pids |= {httpx.get(url + "/healthz").json()["pid"] for _ in range(20)}  # a connection each
+    before = httpx.get(url + "/metrics").text
+    n = 30
+    for _ in range(n):
+        assert post(url, png(28, 28), "image/png").status_code == 200
+    after = httpx.get(url + "/metrics").text
+
+    def ok(text):
+        line = [x for x in text.splitlines() if x.startswith('brewnet_requests_total{code="200"}')]
+        return float(line[0].split()[1]) if line else 0.0
+    assert ok(after) - ok(before) == n
+    assert len(pids) == workers, pids
 
 
 def post(url, body, ctype, **headers):

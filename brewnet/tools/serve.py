@@ -6,11 +6,19 @@ forward (``--max-batch``, ``--max-delay-ms``). Images are prepared as pycaffe's 
 ``--mean``, ``--raw-scale``, ``--input-scale``, ``--channel-swap``, ``--image-dims``; prepared
 inputs come as JSON, ``.npy`` or raw float32 (``serving/app.py``). SIGTERM stops accepting
 connections and finishes the requests in flight before exiting (``serving/server.py``).
+
+``--workers N``: N server processes on one port (uvicorn's supervisor), each with its own copy of
+the net and its own batcher, so the HTTP work of one worker (parsing, decoding: most of a small
+net's request) runs beside the others' on other cores; ``/metrics`` sums over the workers.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 
 from .common import (USER_ERRORS, CLIError, add_bool, add_gpu_flag, add_image_flags, image_transformer,
@@ -19,6 +27,7 @@ from .common import (USER_ERRORS, CLIError, add_bool, add_gpu_flag, add_image_fl
 COMMAND = "serve"
 HELP = "serve a classifier over HTTP: POST /predict, GET /healthz, GET /metrics"
 log = logging.getLogger("brewnet")
+FLAGS_ENV = "BREWNET_SERVE_FLAGS"      # the parent's flags, for the workers (JSON)
 
 
 def add_arguments(p) -> None:
@@ -36,8 +45,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-pixels", type=float, default=40e6, help="image size limit (40e6 pixels)")
     p.add_argument("--timeout-ms", type=float, default=10000.0, help="time limit per request (10 s)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most (256)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes sharing the port, each with its own net (default 1)")
     p.add_argument("--threads", type=int, help="torch threads per forward (default: the CPUs less "
-                   "one, which the HTTP event loop needs)")
+                   "one, which the HTTP event loop needs, shared among the workers)")
     add_bool(p, "fold", "fold Convolution -> BatchNorm -> Scale chains (faster; float rounding)")
     add_bool(p, "access_log", "log every request")
     add_gpu_flag(p)
@@ -66,7 +77,8 @@ def build(args):
         with open(args.labels, encoding="utf-8") as f:
             labels = [line.strip() for line in f if line.strip()]
     if device.type == "cpu":
-        torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) - 1))
+        cpus = len(os.sched_getaffinity(0))
+        torch.set_num_threads(args.threads or max(1, (cpus - 1) // args.workers))
     fixed = None if gm.dynamic_batch else shape[0]
     seconds = []
     with torch.inference_mode():    # the first forwards set oneDNN up: not in a request
@@ -85,30 +97,55 @@ def build(args):
     return model, fixed, device, inline
 
 
+def make_app(args):
+    """The app for the flags (its net built); ``args.max_batch`` capped at a fixed batch."""
+    from .. import runtime
+    from .serving.app import Limits, create_app
+
+    model, fixed, device, inline = build(args)
+    if fixed is not None and args.max_batch > fixed:
+        log.info("Net '%s' fixes its batch at %d: --max-batch %d -> %d", model.name, fixed,
+                 args.max_batch, fixed)
+        args.max_batch = fixed
+    runtime.configure(device, keep_memory=True)      # steady latency: buffers stay allocated
+    limits = Limits(int(args.max_body_mb * (1 << 20)), int(args.max_pixels), args.timeout_ms / 1e3,
+                    args.max_queue)
+    return create_app(model, limits, args.max_batch, args.max_delay_ms / 1e3, fixed, inline)
+
+
+def worker_app():
+    """One worker's app (``--workers N``; uvicorn calls it in the new process)."""
+    log_to_stderr()
+    return make_app(argparse.Namespace(**json.loads(os.environ[FLAGS_ENV])))
+
+
 def run(args) -> int:
     log_to_stderr()
     try:
-        from .serving.app import Limits, create_app
-        from .serving.server import serve
+        from .serving import app as _  # noqa: F401  (FastAPI, prometheus_client)
+        from .serving.server import serve, serve_workers
     except ImportError as e:
         return report(COMMAND, CLIError(f"{e.name} is missing: pip install 'brewnet[serve]'"))
-    from .. import runtime
-
     try:
         if args.max_batch < 1:
             raise CLIError("--max-batch must be at least 1")
         if args.threads is not None and args.threads < 1:
             raise CLIError("--threads must be at least 1")
-        model, fixed, device, inline = build(args)
-        if fixed is not None and args.max_batch > fixed:
-            log.info("Net '%s' fixes its batch at %d: --max-batch %d -> %d", model.name, fixed,
-                     args.max_batch, fixed)
-            args.max_batch = fixed
+        if args.workers < 1:
+            raise CLIError("--workers must be at least 1")
+        app = make_app(args)        # with several workers: a check that the net loads, here
     except USER_ERRORS as e:
         return report(COMMAND, e)
-    runtime.configure(device, keep_memory=True)      # steady latency: buffers stay allocated
-    limits = Limits(int(args.max_body_mb * (1 << 20)), int(args.max_pixels), args.timeout_ms / 1e3,
-                    args.max_queue)
-    app = create_app(model, limits, args.max_batch, args.max_delay_ms / 1e3, fixed, inline)
-    serve(app, args.host, args.port, args.access_log)
+    if args.workers == 1:
+        serve(app, args.host, args.port, args.access_log)
+        return 0
+    del app
+    shared = tempfile.mkdtemp(prefix="brewnet-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = shared      # before any worker makes a metric
+    os.environ[FLAGS_ENV] = json.dumps({k: v for k, v in vars(args).items()
+                                        if isinstance(v, (str, int, float, bool, type(None), list))})
+    try:
+        serve_workers(f"{__name__}:worker_app", args.workers, args.host, args.port, args.access_log)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
     return 0

@@ -15,6 +15,7 @@ import asyncio
 import io as _io
 import json
 import logging
+import os
 import time
 import warnings
 from contextlib import asynccontextmanager
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ...pycaffe import io as cio
 from .batcher import Batcher, Overloaded
-from .metrics import Metrics
+from .metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger("brewnet")
 IMAGE_TYPES = {"image/jpeg", "image/png"}
@@ -187,10 +188,11 @@ def create_app(model: Model, limits: Limits, max_batch: int, max_delay_s: float,
 
     @app.get("/healthz")
     async def healthz():
-        return {"status": "ok", "model": model.name, "input": list(model.input_shape)}
+        return {"status": "ok", "model": model.name, "input": list(model.input_shape),
+                "pid": os.getpid()}
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.text(), media_type=CONTENT_TYPE)
 
     return app

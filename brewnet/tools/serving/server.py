@@ -3,12 +3,19 @@ already accepted deliver their requests, then uvicorn's own shutdown, which fini
 it has read and closes the rest. Without the pause, a request sent on a just-accepted connection
 and not yet read was dropped (seen under load in tests/test_serve.py). A fixed pause was not
 enough when forwards kept the event loop busy, so the server waits until no request has come in
-for ``DRAIN_S`` (at most ``MAX_DRAIN_S``)."""
+for ``DRAIN_S`` (at most ``MAX_DRAIN_S``).
+
+Several workers (``serve_workers``): uvicorn's own supervisor, whose worker processes share one
+listening socket (the kernel hands each new connection to one of them), are health-checked and
+restarted when they die, and get SIGTERM from it when the parent gets SIGTERM or SIGINT; each
+worker is a ``DrainingServer`` that builds its app from ``factory`` in the new process.
+"""
 from __future__ import annotations
 
 import asyncio
 
 import uvicorn
+from uvicorn.supervisors import multiprocess
 
 DRAIN_S = 0.25      # quiet time, after closing the listener, before closing idle connections
 MAX_DRAIN_S = 10.0
@@ -29,8 +36,45 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(app, host: str, port: int, access_log: bool) -> None:
+class DrainingProcess(multiprocess.Process):
+    """A supervised worker running a DrainingServer (uvicorn's Process runs a plain Server)."""
+
+    @property
+    def server(self) -> uvicorn.Server:
+        if self._server is None:
+            self._server = DrainingServer(config=self.config)
+        return self._server
+
+
+class Supervisor(multiprocess.Multiprocess):
+    """uvicorn's supervisor, letting go of the listening socket before it stops the workers: the
+    socket then closes with the last worker's listener, and a connection that comes after is
+    refused; held here, it would queue (the client's connect succeeding) and be reset unread."""
+
+    def terminate_all(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+        super().terminate_all()
+
+
+def _config(app, host: str, port: int, access_log: bool, **kw) -> uvicorn.Config:
     # log_config=None: uvicorn's lines go through brewnet's log format.
-    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=access_log,
-                            timeout_graceful_shutdown=30)
-    DrainingServer(config).run()
+    return uvicorn.Config(app, host=host, port=port, log_config=None, access_log=access_log,
+                          timeout_graceful_shutdown=30, **kw)
+
+
+def serve(app, host: str, port: int, access_log: bool) -> None:
+    DrainingServer(_config(app, host, port, access_log)).run()
+
+
+def serve_workers(factory: str, workers: int, host: str, port: int, access_log: bool) -> None:
+    """``workers`` processes, each serving ``factory()`` (an import string "module:function")."""
+    config = _config(factory, host, port, access_log, factory=True, workers=workers)
+    sock = config.bind_socket()
+    # the supervisor makes (and remakes) its workers through this module-level name
+    multiprocess.Process = DrainingProcess
+    try:
+        Supervisor(config, sockets=[sock]).run()
+    finally:
+        sock.close()
+        multiprocess.Process = DrainingProcess.__base__
