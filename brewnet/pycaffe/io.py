@@ -227,6 +227,10 @@ def resize_image(im, new_dims, interp_order: int = 1) -> np.ndarray:
     if interp_order not in (0, 1, 2, 3):
         raise ValueError(f"interp_order must be 0..3, got {interp_order}")
     h, w = int(new_dims[0]), int(new_dims[1])
+    if (h, w) == im.shape[:2] and interp_order <= 1:
+        # every output pixel samples its own centre: the identity (the [0, 1] scaling and
+        # back round in float64, far below float32's precision)
+        return im.astype(np.float32)
     im_min, im_max = im.min(), im.max()
     if im_max == im_min:
         return np.full((h, w, im.shape[-1]), im_min, dtype=np.float32)
