@@ -29,6 +29,7 @@ pooled numbers over the videos; saves a plot of speed-up vs agreement.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -40,25 +41,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import brewnet  # noqa: E402
 from brewnet.net import Net  # noqa: E402
-from brewnet.video import VideoNet, read_frames  # noqa: E402
+from brewnet.video import Adaptive, VideoNet, change, pool_measure, read_frames  # noqa: E402
 
 SHARED = Path(os.environ.get("BREWNET_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 T = SHARED / "caffe-models/trained"
 C10 = T / "everpeace_caffe_2014_v1format/examples/cifar10"
-NETS = {   # prototxt, weights, split, mean (BGR), the two adaptive thresholds
+NETS = {   # prototxt, weights, split, adaptive measure blob and stride (see the notes), mean (BGR)
     "open_nsfw": (T / "open_nsfw/deploy.prototxt", T / "open_nsfw/resnet_50_1by2_nsfw.caffemodel",
-                  "eltwise_stage0_block2", (104, 117, 123), (0.10, 0.14)),
+                  "eltwise_stage0_block2", "data", 32, (104, 117, 123)),
     # CIFAR-10's mean is ~114-125 per channel; the net was trained on RGB and gets BGR here:
     # only agreement with its own per-frame outputs is measured, not accuracy.
     "cifar10_full": (C10 / "cifar10_full.prototxt", C10 / "cifar10_full_iter_70000.caffemodel",
-                     "norm1", (120,), (0.10, 0.14)),
+                     "norm1", "data", 8, (120,)),
 }
 VIDEOS = ("vtest.avi", "Megamind.avi", "tree.avi")
+FIXED = ("every:1", "every:3", "every:5", "every:10")
 
 
 def policies(thresholds):
     out = [("every:1", "copy")]
-    for spec in ("every:5", "every:10") + tuple(f"adaptive:{t:g}" for t in thresholds):
+    for spec in FIXED[1:] + tuple(f"adaptive:{t:.4g}" for t in thresholds):
         out += [(spec, "copy"), (spec, "flow")]
     return out
 
@@ -72,33 +74,94 @@ def run(vn, frames):
     return (time.perf_counter() - start, time.process_time() - cpu), np.stack(outs), np.asarray(keys)
 
 
+def calibrate(clips, split, measure, stride, mean, max_gap, shares):
+    """The adaptive thresholds whose keyframe share on ``clips`` ((net, frames) pairs) is each
+    of ``shares``, by bisection on the measure alone (``brewnet.video.change`` and the policy's
+    rule, as ``VideoNet.run`` applies them): no output, no agreement is looked at."""
+    lows = []
+    with torch.no_grad():
+        for net, clip in clips:
+            vn = VideoNet(net, split, keyframes="adaptive:0", mean=mean, measure=measure)
+            lows.append([])
+            for f in clip:
+                x = net.blobs[vn.input].tensor = vn.prepare(f)[0]
+                if vn.m is not None:
+                    net.forward_tensors(0, vn.m)
+                low = x if vn.m is None else net.blobs[measure].tensor
+                lows[-1].append(pool_measure(low, stride).clone())
+
+    def share(t):
+        policy, keys = Adaptive(t, max_gap), 0
+        for clip in lows:
+            key, gap = clip[0], 0
+            for low in clip[1:]:
+                gap += 1
+                if policy.is_key(gap, change(low, key)):
+                    key, gap, keys = low, 0, keys + 1
+        return (keys + len(lows)) / sum(map(len, lows))
+
+    out = []
+    for target in shares:
+        lo, hi = 0.0, 1.0
+        while share(hi) > target:
+            hi *= 2
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if share(mid) > target else (lo, mid)
+        out.append(hi)
+        print(f"# {clips[0][0].name}: adaptive threshold {hi:.4g} for a {target:.0%} keyframe share on "
+              f"the calibration frames (measured {share(hi):.1%})", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--videos", required=True, help="folder with vtest.avi, Megamind.avi, tree.avi")
-    ap.add_argument("--frames", type=int, default=60, help="first N frames of each video")
+    ap.add_argument("--frames", type=int, default=0, help="first N frames of each video (0: all)")
     ap.add_argument("--width", type=int, default=320, help="frames resized to this width")
     ap.add_argument("--nets", default=",".join(NETS))
     ap.add_argument("--max-gap", type=int, default=20)
+    ap.add_argument("--calibration", type=int, default=100,
+                    help="adaptive thresholds from the measure on each video's first N frames")
+    ap.add_argument("--shares", default="0.2,0.33",
+                    help="the keyframe shares the two thresholds are calibrated to")
     ap.add_argument("--plot", default="video_benchmark.png")
+    ap.add_argument("--json", default="", help="also save the rows here (table and plot again: --rows)")
+    ap.add_argument("--rows", default="", help="only print the tables and plot of saved --json rows")
     args = ap.parse_args(argv)
+    if args.rows:
+        rows = json.loads(Path(args.rows).read_text())
+        table(rows)
+        plot(rows, args.plot)
+        return 0
     import cv2
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    print(f"# {args.frames} first frames per video at width {args.width}, torch threads "
-          f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
+    print(f"# {'all' if not args.frames else f'the first {args.frames}'} frames of each video at "
+          f"width {args.width}, torch threads {torch.get_num_threads()}, load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    videos = {}
+    for video in VIDEOS:
+        frames = list(read_frames(Path(args.videos) / video, args.frames or None))
+        h = round(frames[0].shape[0] * args.width / frames[0].shape[1])
+        videos[video] = [cv2.resize(f, (args.width, h), interpolation=cv2.INTER_AREA) for f in frames]
+        print(f"# {video}: {len(frames)} frames, {frames[0].shape[1]} x {frames[0].shape[0]} "
+              f"-> {args.width} x {h}", flush=True)
     rows = []
     for net_name in args.nets.split(","):
-        proto, weights, split, mean, thresholds = NETS[net_name]
+        proto, weights, split, measure, stride, mean = NETS[net_name]
         original = Net(proto, weights=weights)
-        for video in VIDEOS:
-            frames = list(read_frames(Path(args.videos) / video, args.frames))
-            h = round(frames[0].shape[0] * args.width / frames[0].shape[1])
-            frames = [cv2.resize(f, (args.width, h), interpolation=cv2.INTER_AREA) for f in frames]
-            net = brewnet.fully_convolutional(original, (h, args.width))
-            run(VideoNet(net, None, mean=mean), frames[:2])        # warm-up, not timed
+        nets = {v: brewnet.fully_convolutional(original, f[0].shape[:2]) for v, f in videos.items()}
+        thresholds = calibrate([(nets[v], f[: args.calibration]) for v, f in videos.items()],
+                               split, measure, stride, mean, args.max_gap,
+                               [float(v) for v in args.shares.split(",")])
+        for video, frames in videos.items():
+            net = nets[video]
+            run(VideoNet(net, None, mean=mean), frames[:3])        # warm-up, not timed
             ref, first = None, len(rows)
             for spec, prop in policies(thresholds):
-                vn = VideoNet(net, split, prop, spec, args.max_gap, mean=mean)
+                vn = VideoNet(net, split, prop, spec, args.max_gap, mean=mean, measure=measure,
+                              measure_stride=stride)
                 s, out, keys = run(vn, frames)
                 if ref is None:
                     ref = out
@@ -107,6 +170,9 @@ def main(argv=None) -> int:
                                  mad=np.abs(out - ref).mean(),
                                  agree=(out.argmax(1) == ref.argmax(1)).mean(),
                                  positions=int(np.prod(ref.shape[2:]))))
+                print(f"{net_name:12s} {video:12s} {spec:16s} {prop:4s} {rows[-1]['fps']:6.2f} fps "
+                      f"keys {rows[-1]['keys']:.2f} agree {rows[-1]['agree']:.3f} "
+                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
             # The per-frame time: the mean of a run before and one after the others (the
             # machine is shared; its load drifts).
             again = run(VideoNet(net, None, mean=mean), frames)[0]
@@ -116,10 +182,12 @@ def main(argv=None) -> int:
             for r in rows[first:]:
                 r["speedup"] = base / (len(frames) / r["fps"])
                 r["cpu_speedup"] = base_cpu / r["cpu"]
-                print(f"{net_name:12s} {video:12s} {r['policy']:14s} {r['propagate']:4s} "
+                print(f"{net_name:12s} {video:12s} {r['policy']:16s} {r['propagate']:4s} "
                       f"{r['fps']:6.2f} fps x{r['speedup']:4.2f} (CPU time x{r['cpu_speedup']:4.2f}) "
                       f"keys {r['keys']:.2f} |d| {r['mad']:.2e} agree {r['agree']:.3f}", flush=True)
     print(f"# load average at the end {os.getloadavg()[0]:.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, default=float, indent=0))
     table(rows)
     plot(rows, args.plot)
     return 0
@@ -158,11 +226,27 @@ def table(rows) -> None:
                       f"{r['agree']:.1%} |")
         print(f"\n## {net}: the three videos pooled (time-weighted speed, frame-weighted agreement)")
         print("| policy | propagate | frames/s | speed-up | CPU-time speed-up | keyframes | "
-              "mean abs diff | argmax agree |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
-        for r in pooled(rows, net):
+              "mean abs diff | argmax agree | fixed at equal speed (wall / CPU) |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        res = pooled(rows, net)
+        for r in res:
+            eq = ""
+            if r["policy"].startswith("adaptive"):
+                eq = " / ".join(f"{a:.1%}" if a is not None else "-" for a in
+                                (fixed_at(res, r["propagate"], r[k], k) for k in ("speedup", "cpu_speedup")))
             print(f"| {r['policy']} | {r['propagate']} | {r['fps']:.2f} | {r['speedup']:.2f}x | "
-                  f"{r['cpu_speedup']:.2f}x | {r['keys']:.0%} | {r['mad']:.2e} | {r['agree']:.1%} |")
+                  f"{r['cpu_speedup']:.2f}x | {r['keys']:.0%} | {r['mad']:.2e} | {r['agree']:.1%} | {eq} |")
+
+
+def fixed_at(res, prop, speed, key="speedup"):
+    """The fixed-interval curve's agreement at ``speed`` (linear between its points, the same
+    propagation; None outside it): what an adaptive point at that speed must beat."""
+    pts = sorted((r[key], r["agree"]) for r in res if r["policy"].startswith("every") and
+                 (r["propagate"] == prop or r["policy"] == "every:1"))
+    for (s0, a0), (s1, a1) in zip(pts, pts[1:]):
+        if s0 <= speed <= s1:
+            return a0 + (a1 - a0) * (speed - s0) / (s1 - s0) if s1 > s0 else max(a0, a1)
+    return None
 
 
 def plot(rows, path) -> None:

@@ -19,8 +19,11 @@ Segmentation, CVPR 2018): a frame becomes a keyframe when ``mean|L_t - L_k| / me
 (k); at most ``max_gap`` frames after a keyframe come before the next one. The measure blob is
 the split by default; ``measure`` names an earlier one (made at or before the split), and the
 net's input blob is the transformed frame itself (``(pixel - mean) * scale`` at the net's
-input size). Between keyframes only the layers up to the measure blob run (none for the input
-blob), so a cheap measure lets adaptive keyframes cost what fixed ones do. With ``every:N``
+input size). ``measure_stride`` S > 1 averages L over S x S cells first (``avg_pool2d``, partial
+cells at the edges kept), so that the measure sees change at the scale of the output's cells
+rather than pixel noise and fine texture. Between keyframes only the layers up to the measure
+blob run (none for the input blob), so a cheap measure lets adaptive keyframes cost what fixed
+ones do. With ``every:N``
 nothing reads the low features between keyframes, so those frames run no layer.
 
 Frames are BGR uint8 (OpenCV's order, Caffe's) from a video file (``cv2.VideoCapture``) or a
@@ -39,7 +42,7 @@ import torch
 from .errors import NetError
 
 __all__ = ["VideoNet", "FrameOutput", "read_frames", "split_index", "parse_keyframes", "change",
-           "warp"]
+           "pool_measure", "warp"]
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 PROPAGATIONS = ("copy", "flow")
 FLOW_PRESETS = {"ultrafast": 0, "fast": 1, "medium": 2}     # cv2.DISOPTICAL_FLOW_PRESET_*
@@ -149,6 +152,16 @@ def change(low: torch.Tensor, key_low: torch.Tensor) -> float:
     return float((low - key_low).abs().mean() / key_low.abs().mean().clamp_min(1e-12))
 
 
+def pool_measure(low: torch.Tensor, stride: int) -> torch.Tensor:
+    """The measure blob averaged over ``stride`` x ``stride`` cells (N x C x H x W; as is
+    otherwise or for a stride of 1)."""
+    import torch.nn.functional as F
+
+    if stride <= 1 or low.dim() != 4:
+        return low
+    return F.avg_pool2d(low, stride, ceil_mode=True)
+
+
 class Every(NamedTuple):
     n: int
     adaptive = False
@@ -220,14 +233,16 @@ class VideoNet:
 
     ``VideoNet(net, split="res3", propagate="copy"|"flow", keyframes="every:5"|"adaptive:0.2",
     max_gap=30, mean=(104, 117, 123), scale=1.0, outputs=None, flow_preset="fast",
-    measure=None)``; ``split`` may be None with ``every:N``; ``measure``: the blob adaptive
-    keyframes measure (default the split; see the module notes). ``run(source_or_frames)``
+    measure=None, measure_stride=1)``; ``split`` may be None with ``every:N``; ``measure``: the
+    blob adaptive keyframes measure (default the split), at ``measure_stride`` (see the module
+    notes). ``run(source_or_frames)``
     yields a ``FrameOutput`` (index, {output: tensor}, is_keyframe) per frame; ``changes`` holds
     the adaptive measure per frame (None for the first frame and with ``every:N``)."""
 
     def __init__(self, net, split: str | None = None, propagate: str = "copy",
                  keyframes: str = "every:1", max_gap: int = 30, mean=None, scale: float = 1.0,
-                 outputs=None, flow_preset: str = "fast", measure: str | None = None):
+                 outputs=None, flow_preset: str = "fast", measure: str | None = None,
+                 measure_stride: int = 1):
         if len(net.inputs) != 1 or len(net.shapes[net.inputs[0]]) != 4:
             raise NetError(f"net '{net.name}': video needs one N x C x H x W Input blob, "
                            f"the net has inputs {[(n, net.shapes[n]) for n in net.inputs]}")
@@ -242,6 +257,9 @@ class VideoNet:
         self.input = net.inputs[0]
         self.measure = measure or split
         self.m = self._measure_index() if self.policy.adaptive else None
+        if int(measure_stride) < 1:
+            raise ValueError(f"--measure-stride {measure_stride}: expected an integer >= 1")
+        self.measure_stride = int(measure_stride)
         _, self.channels, self.height, self.width = net.shapes[self.input]
         if self.channels not in (1, 3):
             raise NetError(f"net '{net.name}': input '{self.input}' has {self.channels} channels; "
@@ -298,10 +316,10 @@ class VideoNet:
                 gap += 1                    # frames since the last keyframe
                 if self.policy.adaptive:
                     if self.m is None:       # the input blob: no layer runs for the measure
-                        low = x
+                        low = pool_measure(x, self.measure_stride)
                     else:
                         net.forward_tensors(0, self.m)
-                        low = net.blobs[self.measure].tensor
+                        low = pool_measure(net.blobs[self.measure].tensor, self.measure_stride)
                     if key_low is not None:
                         delta = change(low, key_low)
                 key = key_out is None or self.policy.is_key(gap, delta)
@@ -309,7 +327,7 @@ class VideoNet:
                 if key:
                     if low is not None:
                         key_low = low.clone()
-                    if low is None or self.m is None:
+                    if not self.policy.adaptive or self.m is None:
                         net.forward_tensors()
                     else:
                         net.forward_tensors(self.m + 1, None)
