@@ -23,8 +23,8 @@ input size). ``measure_stride`` S > 1 averages L over S x S cells first (``avg_p
 cells at the edges kept), so that the measure sees change at the scale of the output's cells
 rather than pixel noise and fine texture. Between keyframes only the layers up to the measure
 blob run (none for the input blob), so a cheap measure lets adaptive keyframes cost what fixed
-ones do. With ``every:N``
-nothing reads the low features between keyframes, so those frames run no layer.
+ones do. With ``every:N`` nothing reads the low features between keyframes, so those frames run
+no layer.
 
 Frames are BGR uint8 (OpenCV's order, Caffe's) from a video file (``cv2.VideoCapture``) or a
 folder of images (sorted by name), resized to the net's input, ``(pixel - mean) * scale`` as
@@ -235,9 +235,9 @@ class VideoNet:
     max_gap=30, mean=(104, 117, 123), scale=1.0, outputs=None, flow_preset="fast",
     measure=None, measure_stride=1)``; ``split`` may be None with ``every:N``; ``measure``: the
     blob adaptive keyframes measure (default the split), at ``measure_stride`` (see the module
-    notes). ``run(source_or_frames)``
-    yields a ``FrameOutput`` (index, {output: tensor}, is_keyframe) per frame; ``changes`` holds
-    the adaptive measure per frame (None for the first frame and with ``every:N``)."""
+    notes). ``run(source_or_frames)`` yields a ``FrameOutput`` (index, {output: tensor},
+    is_keyframe) per frame; ``changes`` holds the adaptive measure per frame (None for the first
+    frame and with ``every:N``)."""
 
     def __init__(self, net, split: str | None = None, propagate: str = "copy",
                  keyframes: str = "every:1", max_gap: int = 30, mean=None, scale: float = 1.0,
