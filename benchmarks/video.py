@@ -34,9 +34,9 @@ that a moving camera (tree) gets more keyframes than a static one (vtest).
 Each video's frames (all by default) are decoded once and resized to ``--width`` (height
 from the aspect ratio; decoding is not timed). Per video and net: ``every:1`` (per frame, the
 reference), ``every:3``, ``every:5``, ``every:10`` and ``adaptive`` at the two thresholds (max
-gap 20), each with copy and flow. Columns: frames/s, speed-up over every:1 in the same process
-(its time: the mean of a run before and one after the others), the same ratio of process CPU
-time (steadier than wall time on a loaded machine), keyframe share, mean |output - per-frame
+gap 20), each with copy and flow, all interleaved frame by frame with each step timed (on the
+shared machine the load drifts; run one after the other, the policies saw loads several times
+apart). Columns: frames/s, speed-up over every:1, the same ratio of process CPU time, keyframe share, mean |output - per-frame
 output| (softmax probabilities), and the share of (frame, position) pairs whose argmax class
 agrees with per-frame inference. Prints a table per net and the pooled numbers over the videos
 (speed: total frames over total time; agreement: frame-weighted), with the fixed-interval
@@ -82,13 +82,22 @@ def policies(thresholds):
     return out
 
 
-def run(vn, frames):
-    outs, keys = [], []
-    start, cpu = time.perf_counter(), time.process_time()
-    for o in vn.run(frames):
-        outs.append(o.outputs["prob"][0].cpu().numpy())
-        keys.append(o.is_keyframe)
-    return (time.perf_counter() - start, time.process_time() - cpu), np.stack(outs), np.asarray(keys)
+def run(vns, frames):
+    """All ``vns`` over ``frames`` interleaved frame by frame, each step timed (wall and process
+    CPU time): on a shared machine whose load drifts, every policy sees the same load. Per
+    vn: ((seconds, CPU seconds), outputs (frames, ...), keyframe flags). They may share a net:
+    a step sets its input and runs all it needs before the next vn's step."""
+    gens = [vn.run(frames) for vn in vns]
+    took = np.zeros((len(vns), 2))
+    outs, keys = [[] for _ in vns], [[] for _ in vns]
+    for _ in frames:
+        for i, g in enumerate(gens):
+            start, cpu = time.perf_counter(), time.process_time()
+            o = next(g)
+            took[i] += time.perf_counter() - start, time.process_time() - cpu
+            outs[i].append(o.outputs["prob"][0].cpu().numpy())
+            keys[i].append(o.is_keyframe)
+    return [(tuple(t), np.stack(o), np.asarray(k)) for t, o, k in zip(took, outs, keys)]
 
 
 def calibrate(clips, split, measure, stride, mean, max_gap, shares):
@@ -174,34 +183,26 @@ def main(argv=None) -> int:
                                [float(v) for v in args.shares.split(",")])
         for video, frames in videos.items():
             net = nets[video]
-            run(VideoNet(net, None, mean=mean), frames[:3])        # warm-up, not timed
-            ref, first = None, len(rows)
-            for spec, prop in policies(thresholds):
-                vn = VideoNet(net, split, prop, spec, args.max_gap, mean=mean, measure=measure,
-                              measure_stride=stride)
-                s, out, keys = run(vn, frames)
-                if ref is None:
-                    ref = out
+            run([VideoNet(net, None, mean=mean)], frames[:3])        # warm-up, not timed
+            specs = policies(thresholds)
+            vns = [VideoNet(net, split, prop, spec, args.max_gap, mean=mean, measure=measure,
+                            measure_stride=stride) for spec, prop in specs]
+            results = run(vns, frames)
+            ref, first = results[0][1], len(rows)
+            for (spec, prop), (s, out, keys) in zip(specs, results):
                 rows.append(dict(net=net_name, video=video, policy=spec, propagate=prop,
-                                 frames=len(frames), fps=len(frames) / s[0], cpu=s[1], keys=keys.mean(),
-                                 mad=np.abs(out - ref).mean(),
-                                 agree=(out.argmax(1) == ref.argmax(1)).mean(),
+                                 frames=len(frames), fps=len(frames) / s[0], cpu=s[1],
+                                 keys=float(keys.mean()), mad=float(np.abs(out - ref).mean()),
+                                 agree=float((out.argmax(1) == ref.argmax(1)).mean()),
                                  positions=int(np.prod(ref.shape[2:]))))
-                print(f"{net_name:12s} {video:12s} {spec:16s} {prop:4s} {rows[-1]['fps']:6.2f} fps "
-                      f"keys {rows[-1]['keys']:.2f} agree {rows[-1]['agree']:.3f} "
-                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
-            # The per-frame time: the mean of a run before and one after the others (the
-            # machine is shared; its load drifts).
-            again = run(VideoNet(net, None, mean=mean), frames)[0]
-            base = (len(frames) / rows[first]["fps"] + again[0]) / 2
-            base_cpu = rows[first]["cpu"] = (rows[first]["cpu"] + again[1]) / 2
-            rows[first]["fps"] = len(frames) / base
+            base, base_cpu = len(frames) / rows[first]["fps"], rows[first]["cpu"]
             for r in rows[first:]:
                 r["speedup"] = base / (len(frames) / r["fps"])
                 r["cpu_speedup"] = base_cpu / r["cpu"]
                 print(f"{net_name:12s} {video:12s} {r['policy']:16s} {r['propagate']:4s} "
                       f"{r['fps']:6.2f} fps x{r['speedup']:4.2f} (CPU time x{r['cpu_speedup']:4.2f}) "
-                      f"keys {r['keys']:.2f} |d| {r['mad']:.2e} agree {r['agree']:.3f}", flush=True)
+                      f"keys {r['keys']:.2f} |d| {r['mad']:.2e} agree {r['agree']:.3f} "
+                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
     print(f"# load average at the end {os.getloadavg()[0]:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, default=float, indent=0))
