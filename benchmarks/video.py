@@ -147,6 +147,9 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=320, help="frames resized to this width")
     ap.add_argument("--nets", default=",".join(NETS))
     ap.add_argument("--max-gap", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for every run (one: on a shared machine a team of two "
+                         "stalls at every barrier whenever a neighbour holds a core)")
     ap.add_argument("--calibration", type=int, default=100,
                     help="adaptive thresholds from the measure on each video's first N frames")
     ap.add_argument("--shares", default="0.2,0.33",
@@ -162,7 +165,7 @@ def main(argv=None) -> int:
         return 0
     import cv2
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads)
     print(f"# {'all' if not args.frames else f'the first {args.frames}'} frames of each video at "
           f"width {args.width}, torch threads {torch.get_num_threads()}, load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
