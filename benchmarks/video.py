@@ -271,34 +271,43 @@ def fixed_at(res, prop, speed, key="speedup"):
 
 
 def plot(rows, path) -> None:
+    """Per net, pooled over the videos: speed-up vs argmax agreement (top) and vs mean |diff|
+    (bottom, log scale; the informative one where the argmax barely moves, as open_nsfw's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     nets = list(dict.fromkeys(r["net"] for r in rows))
-    fig, axes = plt.subplots(1, len(nets), figsize=(6 * len(nets), 4.5), squeeze=False)
-    for ax, net in zip(axes[0], nets):
+    fig, axes = plt.subplots(2, len(nets), figsize=(6 * len(nets), 8.5), squeeze=False)
+    fixed_names = "/".join(p.split(":")[1] for p in FIXED)
+    for col, net in enumerate(nets):
         res = pooled(rows, net)
-        for prop, colour in (("copy", "tab:blue"), ("flow", "tab:orange")):
-            fixed = sorted((r for r in res if r["policy"].startswith("every") and
-                            (r["propagate"] == prop or r["policy"] == "every:1")),
-                           key=lambda r: r["speedup"])
-            ax.plot([r["speedup"] for r in fixed], [100 * r["agree"] for r in fixed], "o-",
-                    color=colour, label=f"every:1/5/10, {prop}")
-            ada = [r for r in res if r["policy"].startswith("adaptive") and r["propagate"] == prop]
-            ax.plot([r["speedup"] for r in ada], [100 * r["agree"] for r in ada], "s", ms=8,
-                    color=colour, mfc="none", label=f"adaptive, {prop}")
-            for r in ada:
-                ax.annotate(r["policy"].split(":")[1], (r["speedup"], 100 * r["agree"]),
-                            textcoords="offset points", xytext=(5, -10), fontsize=8)
-        ax.axhline(95, color="grey", lw=0.8, ls=":")
-        ax.axvline(3, color="grey", lw=0.8, ls=":")
-        ax.set(title=f"{net} (3 videos pooled)", xlabel="speed-up over per-frame (x)",
-               ylabel="argmax agreement with per-frame (%)")
-        ax.legend(fontsize=8)
+        for ax, key, scale, label in ((axes[0][col], "agree", 100, "argmax agreement with per-frame (%)"),
+                                      (axes[1][col], "mad", 1, "mean |output - per-frame output|")):
+            for prop, colour in (("copy", "tab:blue"), ("flow", "tab:orange")):
+                fixed = sorted((r for r in res if r["policy"].startswith("every") and
+                                (r["propagate"] == prop or r["policy"] == "every:1")),
+                               key=lambda r: r["speedup"])
+                if key == "mad":
+                    fixed = [r for r in fixed if r["policy"] != "every:1"]   # 0 on a log scale
+                ax.plot([r["speedup"] for r in fixed], [scale * r[key] for r in fixed], "o-",
+                        color=colour, label=f"every:{fixed_names}, {prop}")
+                ada = [r for r in res if r["policy"].startswith("adaptive") and r["propagate"] == prop]
+                ax.plot([r["speedup"] for r in ada], [scale * r[key] for r in ada], "s", ms=8,
+                        color=colour, mfc="none", label=f"adaptive, {prop}")
+                for r in ada:
+                    ax.annotate(r["policy"].split(":")[1], (r["speedup"], scale * r[key]),
+                                textcoords="offset points", xytext=(5, -10), fontsize=7)
+            if key == "agree":
+                ax.axhline(95, color="grey", lw=0.8, ls=":")
+            else:
+                ax.set_yscale("log")
+            ax.axvline(3, color="grey", lw=0.8, ls=":")
+            ax.set(title=f"{net} (3 videos pooled)", xlabel="speed-up over per-frame (x)", ylabel=label)
+            ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     print(f"\nplot: {path}")
 
 
