@@ -36,12 +36,14 @@ from the aspect ratio; decoding is not timed). Per video and net: ``every:1`` (p
 reference), ``every:3``, ``every:5``, ``every:10`` and ``adaptive`` at the two thresholds (max
 gap 20), each with copy and flow, all interleaved frame by frame with each step timed (on the
 shared machine the load drifts; run one after the other, the policies saw loads several times
-apart). Columns: frames/s, speed-up over every:1, the same ratio of process CPU time, keyframe share, mean |output - per-frame
-output| (softmax probabilities), and the share of (frame, position) pairs whose argmax class
-agrees with per-frame inference. Prints a table per net and the pooled numbers over the videos
-(speed: total frames over total time; agreement: frame-weighted), with the fixed-interval
-curve's agreement at each adaptive point's speed (linear between the fixed points); saves a
-plot of speed-up vs agreement.
+apart), on ``--threads`` torch threads (1: a team of two on the shared 2-core machine stalled
+at every barrier while a neighbour held a core). Columns: frames/s, speed-up over every:1, the
+same ratio of process CPU time, keyframe share, mean |output - per-frame output| (softmax
+probabilities), and the share of (frame, position) pairs whose argmax class agrees with
+per-frame inference. Prints a table per net and the pooled numbers over the videos (speed:
+total frames over total time; agreement: frame-weighted), with the fixed-interval curve's
+agreement at each adaptive point's speed (linear between the fixed points); saves a plot of
+speed-up vs agreement and vs mean |diff|.
 """
 from __future__ import annotations
 
@@ -135,8 +137,8 @@ def calibrate(clips, split, measure, stride, mean, max_gap, shares):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if share(mid) > target else (lo, mid)
         out.append(hi)
-        print(f"# {clips[0][0].name}: adaptive threshold {hi:.4g} for a {target:.0%} keyframe share on "
-              f"the calibration frames (measured {share(hi):.1%})", flush=True)
+        print(f"# {clips[0][0].name}: adaptive threshold {hi:.4g} for a {target:.0%} keyframe "
+              f"share on the calibration frames (measured {share(hi):.1%})", flush=True)
     return out
 
 
@@ -155,8 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shares", default="0.2,0.33",
                     help="the keyframe shares the two thresholds are calibrated to")
     ap.add_argument("--plot", default="video_benchmark.png")
-    ap.add_argument("--json", default="", help="also save the rows here (table and plot again: --rows)")
-    ap.add_argument("--rows", default="", help="only print the tables and plot of saved --json rows")
+    ap.add_argument("--json", default="", help="also save the rows here (for --rows)")
+    ap.add_argument("--rows", default="", help="only the tables and plot of saved --json rows")
     args = ap.parse_args(argv)
     if args.rows:
         rows = json.loads(Path(args.rows).read_text())
