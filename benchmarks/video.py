@@ -144,7 +144,7 @@ def calibrate(clips, split, measure, stride, mean, max_gap, shares):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--videos", required=True, help="folder with vtest.avi, Megamind.avi, tree.avi")
+    ap.add_argument("--videos", help="folder with vtest.avi, Megamind.avi, tree.avi")
     ap.add_argument("--frames", type=int, default=0, help="first N frames of each video (0: all)")
     ap.add_argument("--width", type=int, default=320, help="frames resized to this width")
     ap.add_argument("--nets", default=",".join(NETS))
@@ -165,6 +165,8 @@ def main(argv=None) -> int:
         table(rows)
         plot(rows, args.plot)
         return 0
+    if not args.videos:
+        ap.error("--videos is required (unless --rows)")
     import cv2
 
     torch.set_num_threads(args.threads)
