@@ -14,10 +14,17 @@ keyframes. Between keyframes the high part's outputs are propagated from the las
   border value). Outputs that are not N x C x h x w are copied.
 
 Keyframes: ``every:N`` (frames 0, N, 2N, ...), or ``adaptive:T`` (Low-Latency Video Semantic
-Segmentation, CVPR 2018): the low part runs on every frame, and a frame becomes a keyframe when
-``mean|L_t - L_k| / mean|L_k|`` passes ``T``, L being the split blob on this frame (t) and on the
-last keyframe (k); at most ``max_gap`` frames after a keyframe come before the next one.
-With ``every:N`` nothing reads the low features between keyframes, so those frames run no layer.
+Segmentation, CVPR 2018): a frame becomes a keyframe when ``mean|L_t - L_k| / mean|L_k|``
+(``change``) passes ``T``, L being the *measure* blob on this frame (t) and on the last keyframe
+(k); at most ``max_gap`` frames after a keyframe come before the next one. The measure blob is
+the split by default; ``measure`` names an earlier one (made at or before the split), and the
+net's input blob is the transformed frame itself (``(pixel - mean) * scale`` at the net's
+input size). ``measure_stride`` S > 1 averages L over S x S cells first (``avg_pool2d``, partial
+cells at the edges kept), so that the measure sees change at the scale of the output's cells
+rather than pixel noise and fine texture. Between keyframes only the layers up to the measure
+blob run (none for the input blob), so a cheap measure lets adaptive keyframes cost what fixed
+ones do. With ``every:N`` nothing reads the low features between keyframes, so those frames run
+no layer.
 
 Frames are BGR uint8 (OpenCV's order, Caffe's) from a video file (``cv2.VideoCapture``) or a
 folder of images (sorted by name), resized to the net's input, ``(pixel - mean) * scale`` as
@@ -34,7 +41,8 @@ import torch
 
 from .errors import NetError
 
-__all__ = ["VideoNet", "FrameOutput", "read_frames", "split_index", "parse_keyframes", "warp"]
+__all__ = ["VideoNet", "FrameOutput", "read_frames", "split_index", "parse_keyframes", "change",
+           "pool_measure", "warp"]
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 PROPAGATIONS = ("copy", "flow")
 FLOW_PRESETS = {"ultrafast": 0, "fast": 1, "medium": 2}     # cv2.DISOPTICAL_FLOW_PRESET_*
@@ -138,6 +146,22 @@ def split_index(net, blob: str) -> int:
 
 
 # -- keyframe policies ----------------------------------------------------------------------------
+def change(low: torch.Tensor, key_low: torch.Tensor) -> float:
+    """The adaptive measure: ``mean|low - key_low| / mean|key_low|`` (the measure blob on this
+    frame and on the last keyframe)."""
+    return float((low - key_low).abs().mean() / key_low.abs().mean().clamp_min(1e-12))
+
+
+def pool_measure(low: torch.Tensor, stride: int) -> torch.Tensor:
+    """The measure blob averaged over ``stride`` x ``stride`` cells (N x C x H x W; as is
+    otherwise or for a stride of 1)."""
+    import torch.nn.functional as F
+
+    if stride <= 1 or low.dim() != 4:
+        return low
+    return F.avg_pool2d(low, stride, ceil_mode=True)
+
+
 class Every(NamedTuple):
     n: int
     adaptive = False
@@ -208,14 +232,17 @@ class VideoNet:
     """``net`` (a core or pycaffe Net with one 4-D input) run over frames with keyframe reuse.
 
     ``VideoNet(net, split="res3", propagate="copy"|"flow", keyframes="every:5"|"adaptive:0.2",
-    max_gap=30, mean=(104, 117, 123), scale=1.0, outputs=None, flow_preset="fast")``;
-    ``split`` may be None with ``every:N``. ``run(source_or_frames)`` yields a ``FrameOutput``
-    (index, {output: tensor}, is_keyframe) per frame; ``changes`` holds the adaptive measure of
-    each frame the low part ran on (None elsewhere)."""
+    max_gap=30, mean=(104, 117, 123), scale=1.0, outputs=None, flow_preset="fast",
+    measure=None, measure_stride=1)``; ``split`` may be None with ``every:N``; ``measure``: the
+    blob adaptive keyframes measure (default the split), at ``measure_stride`` (see the module
+    notes). ``run(source_or_frames)`` yields a ``FrameOutput`` (index, {output: tensor},
+    is_keyframe) per frame; ``changes`` holds the adaptive measure per frame (None for the first
+    frame and with ``every:N``)."""
 
     def __init__(self, net, split: str | None = None, propagate: str = "copy",
                  keyframes: str = "every:1", max_gap: int = 30, mean=None, scale: float = 1.0,
-                 outputs=None, flow_preset: str = "fast"):
+                 outputs=None, flow_preset: str = "fast", measure: str | None = None,
+                 measure_stride: int = 1):
         if len(net.inputs) != 1 or len(net.shapes[net.inputs[0]]) != 4:
             raise NetError(f"net '{net.name}': video needs one N x C x H x W Input blob, "
                            f"the net has inputs {[(n, net.shapes[n]) for n in net.inputs]}")
@@ -228,6 +255,11 @@ class VideoNet:
         self.split = split
         self.k = split_index(net, split) if split is not None else None
         self.input = net.inputs[0]
+        self.measure = measure or split
+        self.m = self._measure_index() if self.policy.adaptive else None
+        if int(measure_stride) < 1:
+            raise ValueError(f"--measure-stride {measure_stride}: expected an integer >= 1")
+        self.measure_stride = int(measure_stride)
         _, self.channels, self.height, self.width = net.shapes[self.input]
         if self.channels not in (1, 3):
             raise NetError(f"net '{net.name}': input '{self.input}' has {self.channels} channels; "
@@ -243,6 +275,21 @@ class VideoNet:
         self.scale = float(scale)
         self.flow = DISFlow(flow_preset) if propagate == "flow" else None
         self.changes: list[float | None] = []
+
+    def _measure_index(self) -> int | None:
+        """The index of the last layer writing the measure blob (None: the input blob)."""
+        net, blob = self.net, self.measure
+        if blob not in net.blobs:
+            raise NetError(f"--measure: no blob '{blob}' in net '{net.name}'; its blobs are: "
+                           f"{', '.join(net.blobs)}")
+        if blob == self.input:
+            return None
+        m = max(i for i, tops in enumerate(net.top_lists) if blob in tops)
+        if m > self.k:
+            raise NetError(f"--measure '{blob}' is made by layer '{net.layer_list[m].name}', after "
+                           f"the split '{self.split}' (layer '{net.layer_list[self.k].name}'): "
+                           "measure a blob at or before the split")
+        return m
 
     def prepare(self, frame: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         """(the net's input (1, C, H, W) on its device, the grey frame at that size)."""
@@ -265,22 +312,25 @@ class VideoNet:
             for index, frame in enumerate(frames):
                 x, grey = self.prepare(frame)
                 net.blobs[self.input].tensor = x
-                change, low = None, None
+                delta, low = None, None
                 gap += 1                    # frames since the last keyframe
                 if self.policy.adaptive:
-                    net.forward_tensors(0, self.k)
-                    low = net.blobs[self.split].tensor
+                    if self.m is None:       # the input blob: no layer runs for the measure
+                        low = pool_measure(x, self.measure_stride)
+                    else:
+                        net.forward_tensors(0, self.m)
+                        low = pool_measure(net.blobs[self.measure].tensor, self.measure_stride)
                     if key_low is not None:
-                        ref = key_low.abs().mean().clamp_min(1e-12)
-                        change = float((low - key_low).abs().mean() / ref)
-                key = key_out is None or self.policy.is_key(gap, change)
-                self.changes.append(change)
+                        delta = change(low, key_low)
+                key = key_out is None or self.policy.is_key(gap, delta)
+                self.changes.append(delta)
                 if key:
-                    if low is None:
+                    if low is not None:
+                        key_low = low.clone()
+                    if not self.policy.adaptive or self.m is None:
                         net.forward_tensors()
                     else:
-                        key_low = low.clone()
-                        net.forward_tensors(self.k + 1, None)
+                        net.forward_tensors(self.m + 1, None)
                     key_out = {o: net.blobs[o].tensor.detach().clone() for o in self.outputs}
                     key_grey, gap = grey, 0
                     outs = {o: t.clone() for o, t in key_out.items()}

@@ -12,7 +12,7 @@ import torch
 
 from brewnet.net import Net, NetError
 from brewnet.proto import caffe_pb2 as pb
-from brewnet.video import VideoNet, read_frames, split_index, warp
+from brewnet.video import VideoNet, change, pool_measure, read_frames, split_index, warp
 from helpers import VENDORED
 
 CLIP = VENDORED / "video" / "vtest_f100-109_192x144.avi"     # 10 frames of vtest.avi (SOURCES.txt)
@@ -101,6 +101,54 @@ def test_adaptive_measure_and_max_gap(tmp_path):
     list(vn.run(frames))
     want = [float((lows[t] - lows[0]).abs().mean() / lows[0].abs().mean()) for t in (1, 2)]
     assert vn.changes[1:] == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("measure,stride,threshold", [("data", 1, 0.07), ("low", 1, 0.09),
+                                                    ("data", 8, 0.03)])
+def test_measure_blob(tmp_path, measure, stride, threshold):
+    """--measure (-stride): the change of an earlier blob (the transformed input here) decides
+    keyframes; keyframes still give the per-frame outputs exactly, and a static clip makes no
+    keyframe after the first but at the max gap."""
+    frame = next(read_frames(CLIP))
+    for k in range(5):
+        cv2.imwrite(str(tmp_path / f"{k:03d}.png"), frame)
+    vn = VideoNet(tiny_net(), "mid", "copy", "adaptive:0", max_gap=10, mean=(104, 117, 123),
+                  measure=measure, measure_stride=stride)
+    assert [k for *_, k in collect(vn, tmp_path)] == [True] + [False] * 4
+    assert vn.changes == [None] + [0.0] * 4
+    base = per_frame(CLIP)
+    vn = VideoNet(tiny_net(), "mid", "flow", f"adaptive:{threshold}", max_gap=4,
+                  mean=(104, 117, 123), measure=measure, measure_stride=stride)
+    got = collect(vn, CLIP)
+    keys = [i for i, _, k in got if k]
+    assert keys[0] == 0 and 1 < len(keys) < 10, keys
+    for (i, out, k), (_, ref, _) in zip(got, base):
+        if k:
+            assert torch.equal(out, ref), i
+    frames = list(read_frames(CLIP, 2))
+    if measure == "data":                         # the measure is the transformed frame itself
+        x0, x1 = (vn.prepare(f)[0] for f in frames)
+        list(vn.run(frames))
+        x0, x1 = (pool_measure(x, stride) for x in (x0, x1))
+        assert vn.changes[1] == pytest.approx(change(x1, x0), rel=1e-6)
+
+
+def test_pool_measure_averages_cells_and_keeps_partial_ones():
+    t = torch.arange(25, dtype=torch.float32).reshape(1, 1, 5, 5)
+    p = pool_measure(t, 4)
+    assert p.shape == (1, 1, 2, 2)
+    assert p[0, 0, 0, 0] == t[0, 0, :4, :4].mean() and p[0, 0, 1, 1] == t[0, 0, 4, 4]
+    assert p[0, 0, 0, 1] == t[0, 0, :4, 4].mean()
+    assert pool_measure(t, 1) is t
+
+
+def test_measure_errors():
+    with pytest.raises(NetError, match=r"--measure: no blob 'nope' in net 'tiny'; its blobs are: "
+                                       r"data, low, mid, score, prob"):
+        VideoNet(tiny_net(), "low", keyframes="adaptive:0.1", measure="nope")
+    with pytest.raises(NetError, match=r"--measure 'mid' is made by layer 'mid_relu', after the "
+                                       r"split 'low'"):
+        VideoNet(tiny_net(), "low", keyframes="adaptive:0.1", measure="mid")
 
 
 def test_copy_on_a_static_video_equals_per_frame(tmp_path):
@@ -225,6 +273,9 @@ def test_cli_writes_outputs_keyframes_and_annotated_video(tmp_path):
     (("--split", "nope"), "no blob 'nope' in net 'tiny'; its blobs are: data, low, mid, score, prob"),
     (("--input", "{tmp}"), ": the frames folder holds no image"),
     (("--keyframes", "sometimes"), "--keyframes 'sometimes'"),
+    (("--measure", "nope", "--keyframes", "adaptive:0.1"),
+     "--measure: no blob 'nope' in net 'tiny'; its blobs are: data, low"),
+    (("--measure-stride", "0"), "--measure-stride 0: expected an integer >= 1"),
 ])
 def test_cli_errors_are_one_line(tmp_path, capsys, change, message):
     from brewnet.cli import main
@@ -234,7 +285,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys, change, message):
     tiny_net().save(tmp_path / "w.caffemodel")
     args = {"--model": model, "--weights": tmp_path / "w.caffemodel", "--input": CLIP,
             "--split": "low", "--out": tmp_path / "o.npy"}
-    args.update({change[0]: change[1].format(tmp=tmp_path / "frames")})
+    args.update({k: v.format(tmp=tmp_path / "frames") for k, v in zip(change[::2], change[1::2])})
     (tmp_path / "frames").mkdir()
     assert main(["video", *[str(x) for kv in args.items() for x in kv]]) == 1
     err = capsys.readouterr().err

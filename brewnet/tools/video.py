@@ -30,8 +30,13 @@ def add_arguments(p) -> None:
     p.add_argument("--propagate", choices=("copy", "flow"), default="copy",
                    help="between keyframes: copy the keyframe's outputs, or warp them by DIS flow")
     p.add_argument("--keyframes", default="every:10", metavar="every:N|adaptive:T",
-                   help="every N-th frame, or when the split blob's mean absolute change since "
+                   help="every N-th frame, or when the measure blob's mean absolute change since "
                         "the keyframe, relative to its mean magnitude there, passes T (default every:10)")
+    p.add_argument("--measure", default="", metavar="BLOB",
+                   help="adaptive: the blob measured (default the split; one made at or before "
+                        "it; the input blob is the transformed frame: no layer runs between keyframes)")
+    p.add_argument("--measure-stride", type=int, default=1, metavar="S",
+                   help="adaptive: average the measure blob over S x S cells first (default 1)")
     p.add_argument("--max-gap", type=int, default=30, help="adaptive: frames at most between keyframes")
     p.add_argument("--blobs", default="", metavar="A,B", help="outputs to keep (default: the net's)")
     p.add_argument("--mean", default="", metavar="B,G,R", help="per-channel mean, e.g. 104,117,123")
@@ -61,7 +66,8 @@ def run(args) -> int:
         vn = VideoNet(net, args.split, args.propagate, args.keyframes, args.max_gap,
                       mean=[float(v) for v in args.mean.split(",")] if args.mean else None,
                       scale=args.scale, outputs=[b for b in args.blobs.split(",") if b] or None,
-                      flow_preset=args.flow_preset)
+                      flow_preset=args.flow_preset, measure=args.measure or None,
+                      measure_stride=args.measure_stride)
         if Path(args.out).suffix.lower() not in (".npy", ".h5"):
             raise ValueError(f"--out {args.out}: expected a .npy or .h5 file")
         shown = {}
