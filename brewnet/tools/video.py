@@ -97,6 +97,11 @@ def run(args) -> int:
                     sink.write(annotate(shown["frame"], arrays, out.is_keyframe, out.index))
                 if bar is not None:
                     bar.update(1)
+            if bar is not None and bar.n != bar.total:
+                # the header's frame count can overstate (tree.avi: 444, of which 376 are empty
+                # "repeat the previous frame" chunks that OpenCV skips): end at what was read
+                bar.total = bar.n
+                bar.refresh()
         seconds = time.perf_counter() - start
         written = _save(args.out, {o: np.stack(v) for o, v in results.items()}, np.asarray(keys))
     except USER_ERRORS as e:
