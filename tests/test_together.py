@@ -342,14 +342,15 @@ def test_cli_worker_threads_keep_log_prefixes(setup, capsys):
 
 def test_worker_count_by_net_size(setup, monkeypatch):
     from brewnet.many.together import plan_groups, worker_count
+    from brewnet.threads import usable_cores
 
+    monkeypatch.delenv("BREWNET_TOGETHER_THREADS", raising=False)
     _, write = setup
     t = TrainTogether(write(net_text=QUIET, tag="q"))
     assert worker_count(t.solvers) == 1 and len(t.groups) == 1     # tiny nets: one thread
     for s in t.solvers:
         s.threads.tiny = False
-    assert worker_count(t.solvers) == min(3, torch.get_num_threads() and
-                                          __import__("brewnet").threads.usable_cores())
+    assert worker_count(t.solvers) == min(3, usable_cores())     # one per core
     monkeypatch.setenv("BREWNET_TOGETHER_THREADS", "2")
     assert worker_count(t.solvers) == 2 and worker_count(t.solvers, 5) == 3
     assert plan_groups(t.solvers, {0, 2}, 2) == [[0, 2], [1]]
