@@ -8,7 +8,8 @@ that differ only in their random seed are trained each way:
   one-by-one  one process trains the K nets one after another (each alone);
   processes   K processes at once, each training one net (what users do today); they start
               timing together (a barrier file) after their warm-up;
-  together    one process, ``brewnet.many.TrainTogether``: one data stream for all K;
+  together    one process, ``brewnet.many.TrainTogether``: one data stream for all K, its
+              worker threads as it chooses them (``together:N``: N worker threads);
   fused       ``brewnet.many.fused.FusedSolvers`` ("n/a" when it is not installed).
 "step ms" is the wall time of one step of all K nets (after ``--warmup`` steps, over
 ``--steps``); "speed-up" is one-by-one's step time over the mode's; "peak MiB" is the peak
@@ -113,9 +114,10 @@ def worker(a) -> dict:
     else:
         if a.mode == "processes":
             runner = get_solver(params[0], device=device)
-        elif a.mode == "together":
+        elif a.mode.startswith("together"):
             from brewnet.many import TrainTogether
-            runner = TrainTogether(params, device=device)
+            n = a.mode.partition(":")[2]
+            runner = TrainTogether(params, device=device, threads=int(n) if n else None)
         else:
             from brewnet.many.fused import FusedSolvers
             runner = FusedSolvers(params, device=device)
@@ -201,7 +203,7 @@ def main() -> None:
         threads = a.threads or "default"
         print(f"many_nets: {a.steps} timed steps after {a.warmup}, device {a.device}, "
               f"{os.cpu_count()} CPUs, torch threads {threads} per process "
-              "(shared machine: compare within this table)")
+              f"(shared machine: compare within this table; load average {os.getloadavg()[0]:.2f})")
         print(f"{'net':6} {'K':>2} {'mode':11} {'step ms':>9} {'speed-up':>9} {'peak MiB':>9}")
         for name in a.nets.split(","):
             for k in (int(x) for x in a.ks.split(",")):
@@ -216,6 +218,7 @@ def main() -> None:
                     up = f"{base / r['step_ms']:.2f}x" if base else "-"
                     print(f"{name:6} {k:2d} {mode:11} {r['step_ms']:9.1f} {up:>9} {r['peak']:9.0f}",
                           flush=True)
+        print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 the same batches into one ``DataStream``: each batch is read, decoded, transformed and moved to
 the device once, by the first solver's layer, and every net reading that data definition gets
 the same tensors, in the order it would have read them alone. ``solve()`` runs one iteration of
-each solver in turn until each reaches its own ``max_iter``.
+each solver in turn (or several at once on worker threads, below) until each reaches its own
+``max_iter``.
 
 Why each net's numbers are those of training alone: a net sees the batches it would have read
 (same definition, same position in the stream); torch's global random stream (Dropout, random
@@ -23,6 +24,24 @@ when the layer draws random numbers (mirror, a TRAIN crop, rand_skip, shuffle, W
 random state. Log lines start with the solver's prefix (``[s0] ``, ``[s1] ``... by position;
 ``brewnet parse-log --prefix "[s1]"`` picks one out), and the log says how many data streams
 are read and why a solver could not share one.
+
+Worker threads (``threads=N``, ``brewnet train --together-threads N``, ``$BREWNET_TOGETHER_THREADS``):
+the solvers are split into N groups and each round runs one iteration of every solver, a group
+per thread, the rounds in lock-step (the batches kept for slower consumers stay bounded; an
+error in a thread is raised here once the round ends, naming its solver). Torch's intra-op
+count is one per process here (libgomp's for threads outside a team): the run holds it at
+cores / N (each solver's ``threads.Tuner`` pinned) and puts the count back after. Torch's
+global random stream is one per process too: the solvers whose nets may draw from it in a
+step (``draws_random``: Dropout, stochastic Pooling, Python or foreign layers) all step in the
+first group, one after another with their own state swapped in, and the other threads never
+touch it; data streams take a lock (the leader's read happens once, under it). So the files
+are byte-identical to each solver alone at cores / N torch threads.
+The default, by measurement on the 2-core CPU (``benchmarks/many_nets.py``; K = 8, one step of
+all nets): for LeNet (convolutions: torch releases the GIL in its kernels) two threads of one
+intra-op thread each took 200 ms vs 235 ms one after another on two intra-op threads; for the
+single-InnerProduct net (a step is ~1.5 ms, mostly Python under the GIL) two threads were
+slower (18-20 ms vs 14-15 ms). So: one thread per usable core when some net is not tiny
+(``brewnet.threads.TINY_FLOPS``) and all train on the CPU, else one after another.
 """
 from __future__ import annotations
 
