@@ -355,3 +355,15 @@ def test_worker_count_by_net_size(setup, monkeypatch):
     assert worker_count(t.solvers) == 2 and worker_count(t.solvers, 5) == 3
     assert plan_groups(t.solvers, {0, 2}, 2) == [[0, 2], [1]]
     assert plan_groups(t.solvers, {0, 1, 2}, 3) == [[0, 1, 2]]
+
+
+def test_stop_request_reaches_every_worker_thread(setup):
+    folder, write = setup
+    t = TrainTogether(write(net_text=QUIET, tag="q"), threads=2)
+    first = t.solvers[0]
+    first.add_callback(on_gradients=lambda: first.iter == 2 and t.request_action("stop"))
+    t.solve()
+    files = snapshots(folder)
+    for s in t.solvers:      # each stops at its next check: this round or the next
+        assert 3 <= s.iter <= 4 < s.param.max_iter
+        assert f"{s.param.snapshot_prefix.rsplit('/', 1)[-1]}_iter_{s.iter}.caffemodel" in files
