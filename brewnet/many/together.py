@@ -111,7 +111,8 @@ class DataStream:
             mine = getattr(self.layer, "consumed_state", None)
             batch = self._read(bottoms)
             self._batches.append((batch, getattr(self.layer, "consumed_state", None)))
-            self.layer.consumed_state = mine
+            if mine is not None:
+                self.layer.consumed_state = mine
             self.reads += 1
         out, state = self._batches[i]
         if state is not None:
