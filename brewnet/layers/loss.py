@@ -87,13 +87,14 @@ class _WeightedLogLoss(torch.autograd.Function):
         if valid is not None:
             per = per * valid
         ctx.save_for_backward(logp, rows, valid)
-        ctx.norm = norm
+        ctx.norm, ctx.onehot = norm, h is None
         return -per.sum() / norm
 
     @staticmethod
     def backward(ctx, g):
         logp, rows, valid = ctx.saved_tensors
-        dx = logp.exp() * rows.sum(1, keepdim=True) - rows
+        # one-hot rows (SoftmaxWithLoss) sum to exactly 1: the product would be p itself
+        dx = (logp.exp() if ctx.onehot else logp.exp() * rows.sum(1, keepdim=True)) - rows
         if valid is not None:
             dx = dx * valid
         return dx * (g / ctx.norm), None, None, None, None, None
