@@ -36,12 +36,14 @@ step (``draws_random``: Dropout, stochastic Pooling, Python or foreign layers) a
 first group, one after another with their own state swapped in, and the other threads never
 touch it; data streams take a lock (the leader's read happens once, under it). So the files
 are byte-identical to each solver alone at cores / N torch threads.
-The default, by measurement on the 2-core CPU (``benchmarks/many_nets.py``; K = 8, one step of
-all nets): for LeNet (convolutions: torch releases the GIL in its kernels) two threads of one
-intra-op thread each took 200 ms vs 235 ms one after another on two intra-op threads; for the
-single-InnerProduct net (a step is ~1.5 ms, mostly Python under the GIL) two threads were
-slower (18-20 ms vs 14-15 ms). So: one thread per usable core when some net is not tiny
-(``brewnet.threads.TINY_FLOPS``) and all train on the CPU, else one after another.
+The default, by measurement on the 2-core CPU (one step of all K nets): for LeNet
+(convolutions: torch releases the GIL in its kernels) two threads of one intra-op thread each
+took 200 ms vs 235 ms for K = 8 one after another on two intra-op threads (in
+``benchmarks/many_nets.py``'s ``together`` vs ``together:1``: 162 vs 193 ms at K = 4, 319 vs
+360 ms at K = 8); for the single-InnerProduct net (a step is ~1.2 ms, mostly Python under
+the GIL) two threads were slower (18-20 ms vs 14-15 ms at K = 8). So: one thread per usable
+core when some net is not tiny (``brewnet.threads.TINY_FLOPS``) and all train on the CPU,
+else one after another.
 """
 from __future__ import annotations
 
