@@ -2,6 +2,7 @@
 
     python benchmarks/many_nets.py [--ks 1,2,4,8] [--steps 20] [--warmup 3] [--device cpu|cuda]
                                    [--nets ip,lenet] [--modes one-by-one,processes,together,fused]
+                                   [--repeat R]
 
 For the seed's single-InnerProduct net (MNIST, batch 100) and Caffe's LeNet (batch 64), K nets
 that differ only in their random seed are trained each way:
@@ -12,7 +13,8 @@ that differ only in their random seed are trained each way:
               worker threads as it chooses them (``together:N``: N worker threads);
   fused       ``brewnet.many.fused.FusedSolvers`` ("n/a" when it is not installed).
 "step ms" is the wall time of one step of all K nets (after ``--warmup`` steps, over
-``--steps``); "speed-up" is one-by-one's step time over the mode's; "peak MiB" is the peak
+``--steps``; with ``--repeat R`` the median of R measurements taken with the modes in turn);
+"speed-up" is one-by-one's step time over the mode's; "peak MiB" is the peak
 resident memory of the mode's processes, summed over processes. The data is MNIST t10k from
 ``../shared`` converted to an LMDB once (in a temp folder). Every mode trains with torch's
 default threads, as a user's run would (``--threads N`` sets OMP_NUM_THREADS for every process
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -181,6 +184,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measure each cell R times, the modes in turn; the median is shown")
     ap.add_argument("--threads", type=int, default=0,
                     help="OMP_NUM_THREADS for every process (default: torch's default)")
     ap.add_argument("--work", default="")
@@ -208,8 +213,14 @@ def main() -> None:
         for name in a.nets.split(","):
             for k in (int(x) for x in a.ks.split(",")):
                 base = None
+                runs: dict[str, list] = {m: [] for m in modes}
+                for _ in range(a.repeat):       # the modes in turn, so load changes hit all
+                    for mode in modes:
+                        runs[mode].append(cell(a, mode, nets[name], k))
                 for mode in modes:
-                    r = cell(a, mode, nets[name], k)
+                    r = None if None in runs[mode] else {
+                        "step_ms": statistics.median(x["step_ms"] for x in runs[mode]),
+                        "peak": max(x["peak"] for x in runs[mode])}
                     if r is None:
                         print(f"{name:6} {k:2d} {mode:11} {'n/a':>9} {'n/a':>9} {'n/a':>9}", flush=True)
                         continue
