@@ -2,16 +2,19 @@
 
     python benchmarks/many_nets.py [--ks 1,2,4,8] [--steps 20] [--warmup 3] [--device cpu|cuda]
                                    [--nets ip,lenet] [--modes one-by-one,processes,together,fused]
+                                   [--repeat R]
 
 For the seed's single-InnerProduct net (MNIST, batch 100) and Caffe's LeNet (batch 64), K nets
 that differ only in their random seed are trained each way:
   one-by-one  one process trains the K nets one after another (each alone);
   processes   K processes at once, each training one net (what users do today); they start
               timing together (a barrier file) after their warm-up;
-  together    one process, ``brewnet.many.TrainTogether``: one data stream for all K;
+  together    one process, ``brewnet.many.TrainTogether``: one data stream for all K, its
+              worker threads as it chooses them (``together:N``: N worker threads);
   fused       ``brewnet.many.fused.FusedSolvers`` ("n/a" when it is not installed).
 "step ms" is the wall time of one step of all K nets (after ``--warmup`` steps, over
-``--steps``); "speed-up" is one-by-one's step time over the mode's; "peak MiB" is the peak
+``--steps``; with ``--repeat R`` the median of R measurements taken with the modes in turn);
+"speed-up" is one-by-one's step time over the mode's; "peak MiB" is the peak
 resident memory of the mode's processes, summed over processes. The data is MNIST t10k from
 ``../shared`` converted to an LMDB once (in a temp folder). Every mode trains with torch's
 default threads, as a user's run would (``--threads N`` sets OMP_NUM_THREADS for every process
@@ -23,6 +26,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -113,9 +117,10 @@ def worker(a) -> dict:
     else:
         if a.mode == "processes":
             runner = get_solver(params[0], device=device)
-        elif a.mode == "together":
+        elif a.mode.startswith("together"):
             from brewnet.many import TrainTogether
-            runner = TrainTogether(params, device=device)
+            n = a.mode.partition(":")[2]
+            runner = TrainTogether(params, device=device, threads=int(n) if n else None)
         else:
             from brewnet.many.fused import FusedSolvers
             runner = FusedSolvers(params, device=device)
@@ -179,6 +184,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measure each cell R times, the modes in turn; the median is shown")
     ap.add_argument("--threads", type=int, default=0,
                     help="OMP_NUM_THREADS for every process (default: torch's default)")
     ap.add_argument("--work", default="")
@@ -201,13 +208,19 @@ def main() -> None:
         threads = a.threads or "default"
         print(f"many_nets: {a.steps} timed steps after {a.warmup}, device {a.device}, "
               f"{os.cpu_count()} CPUs, torch threads {threads} per process "
-              "(shared machine: compare within this table)")
+              f"(shared machine: compare within this table; load average {os.getloadavg()[0]:.2f})")
         print(f"{'net':6} {'K':>2} {'mode':11} {'step ms':>9} {'speed-up':>9} {'peak MiB':>9}")
         for name in a.nets.split(","):
             for k in (int(x) for x in a.ks.split(",")):
                 base = None
+                runs: dict[str, list] = {m: [] for m in modes}
+                for _ in range(a.repeat):       # the modes in turn, so load changes hit all
+                    for mode in modes:
+                        runs[mode].append(cell(a, mode, nets[name], k))
                 for mode in modes:
-                    r = cell(a, mode, nets[name], k)
+                    r = None if None in runs[mode] else {
+                        "step_ms": statistics.median(x["step_ms"] for x in runs[mode]),
+                        "peak": max(x["peak"] for x in runs[mode])}
                     if r is None:
                         print(f"{name:6} {k:2d} {mode:11} {'n/a':>9} {'n/a':>9} {'n/a':>9}", flush=True)
                         continue
@@ -216,6 +229,7 @@ def main() -> None:
                     up = f"{base / r['step_ms']:.2f}x" if base else "-"
                     print(f"{name:6} {k:2d} {mode:11} {r['step_ms']:9.1f} {up:>9} {r['peak']:9.0f}",
                           flush=True)
+        print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -120,6 +120,9 @@ class Tuner:
     def __init__(self, net, name: str = "", timed: bool = True):
         self.name = name or getattr(net, "name", "")
         self.timed = timed                # False: the size rule's choice, kept (training)
+        # a count the caller holds fixed while set (brewnet.many's worker threads share the
+        # process-wide count: no net may switch it under the others)
+        self.pinned: int | None = None
         self._net = weakref.ref(net)
         self._plan(net)
 
@@ -139,6 +142,9 @@ class Tuner:
         net = self._net()
         if net is not None and net._input_shapes is not self._shapes:
             self._plan(net)
+        if self.pinned is not None:
+            self._t0 = None
+            return self
         fixed = user_threads()
         if self.off or fixed is not None:
             if fixed is not None and torch.get_num_threads() != fixed:

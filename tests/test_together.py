@@ -36,6 +36,9 @@ layer {{ name: "acc" type: "Accuracy" bottom: "ip2" bottom: "label" top: "acc" i
 layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }}
 """
 
+QUIET = NET.replace('layer {{ name: "drop" type: "Dropout" bottom: "ip1" top: "ip1" '
+                    'dropout_param {{ dropout_ratio: 0.3 }} }}\n', "")   # draws no random numbers
+
 SOLVERS = {   # SGD/step, Adam/fixed, Nesterov/inv: own seeds, schedules and snapshots
     "sgd": 'type: "SGD" base_lr: 0.05 lr_policy: "step" gamma: 0.5 stepsize: 4 momentum: 0.9 '
            'weight_decay: 0.0005 max_iter: 12 snapshot: 5 display: 3 random_seed: 11',
@@ -56,14 +59,14 @@ def setup(tmp_path):
             w.put(f"{i:08d}", chw_to_datum(rng.integers(0, 256, (1, 10, 10), dtype=np.uint8),
                                            int(rng.integers(10))).SerializeToString())
 
-    def write(batch=8, prefetch=0, **extra):
-        net = tmp_path / f"net_{batch}_{prefetch}.prototxt"
-        net.write_text(NET.format(lmdb=lmdb, batch=batch, prefetch=prefetch))
+    def write(batch=8, prefetch=0, net_text=NET, tag="", **extra):
+        net = tmp_path / f"net_{batch}_{prefetch}{tag}.prototxt"
+        net.write_text(net_text.format(lmdb=lmdb, batch=batch, prefetch=prefetch))
         files = []
         for name, text in SOLVERS.items():
             text += f' net: "{net}" test_iter: 2 test_interval: {extra.get(name, 5)} ' \
-                    f'snapshot_prefix: "{tmp_path / name}" solver_mode: CPU'
-            f = tmp_path / f"{name}_solver_{batch}_{prefetch}.prototxt"
+                    f'snapshot_prefix: "{tmp_path / (name + tag)}" solver_mode: CPU'
+            f = tmp_path / f"{name}_solver_{batch}_{prefetch}{tag}.prototxt"
             f.write_text(text)
             files.append(str(f))
         return files
@@ -221,3 +224,146 @@ def test_step_calls_keep_every_net_on_its_own_batches(setup):
     t.step(4)
     for s, ref in zip(t.solvers, alone):
         assert all(torch.equal(a.detach(), b) for a, b in zip(s.net.learnable, ref))
+
+
+def mixed(write):
+    """SGD and Adam over the net without Dropout, Nesterov over the one with it."""
+    quiet = write(net_text=QUIET, tag="q")
+    return [quiet[0], quiet[1], write()[2]]
+
+
+def test_worker_threads_write_the_files_they_write_alone(setup, record_reads, caplog):
+    folder, write = setup
+    files = mixed(write)
+    reads_alone = []
+    for f in files:
+        before = record_reads["n"]
+        get_solver(f).solve()
+        reads_alone.append(record_reads["n"] - before)
+    alone = snapshots(folder)
+    caplog.set_level("INFO", logger="brewnet")
+    threads = torch.get_num_threads()
+    before = record_reads["n"]
+    t = TrainTogether(files, threads=2)
+    # the Dropout solver (2) draws from torch's one random stream: it steps on the first
+    # thread only, beside a quiet one, while the other quiet one steps on the second
+    assert t.drawing == {2} and t.groups == [[1, 2], [0]]
+    assert "Stepping the solvers on 2 worker threads: [s1] [s2]; [s0]" in caplog.text
+    t.solve()
+    together = snapshots(folder)
+    assert together.keys() == alone.keys() and len(alone) == 3 * (3 + 3 + 2)
+    for name in alone:
+        assert together[name] == alone[name], name
+    assert record_reads["n"] - before == max(reads_alone)
+    assert torch.get_num_threads() == threads and all(s.threads.pinned is None for s in t.solvers)
+
+
+def test_threaded_steps_equal_sequential_ones(setup):
+    _, write = setup
+    files = mixed(write)
+    runs = []
+    for n in (1, 3):
+        t = TrainTogether(files, threads=n)
+        assert len(t.groups) == n
+        t.step(4)
+        t.step(3)
+        runs.append([[b.detach().clone() for b in s.net.learnable] for s in t.solvers])
+    for a, b in zip(*runs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("error", [ValueError, RuntimeError])
+def test_an_error_in_a_worker_thread_names_its_solver(setup, error):
+    _, write = setup
+    t = TrainTogether(write(net_text=QUIET, tag="q"), threads=2)
+    bad = t.solvers[1]
+    step = bad._forward_backward
+
+    def fail():
+        if bad.iter == 3:
+            raise error("boom")
+        return step()
+    bad._forward_backward = fail
+    with pytest.raises(error, match="boom") as e:
+        t.solve()
+    named = str(e.value) + " ".join(getattr(e.value, "__notes__", []))
+    assert "solver 1 ([s1])" in named
+    assert bad.iter == 3 and all(s.threads.pinned is None for s in t.solvers)
+
+
+def test_log_prefix_is_per_thread(caplog):
+    import logging
+    import threading
+
+    from brewnet.solvers.logprefix import log_prefix
+
+    caplog.set_level("INFO", logger="brewnet")
+    log = logging.getLogger("brewnet")
+    both = threading.Barrier(2)
+
+    def speak(prefix):
+        with log_prefix(prefix):
+            both.wait()               # both prefixes set at once
+            for i in range(20):
+                log.info("%s line %d", prefix.strip(), i)
+            both.wait()
+    workers = [threading.Thread(target=speak, args=(p,)) for p in ("[s0] ", "[s1] ")]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    log.info("no prefix here")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 41 and lines[-1] == "no prefix here"
+    for line in lines[:-1]:
+        own = line.split(" line ")[0].split()[-1]
+        assert line.startswith(own + " "), line
+
+
+def test_cli_worker_threads_keep_log_prefixes(setup, capsys):
+    folder, write = setup
+    files = mixed(write)
+    argv = ["train", "--together-threads", "2"] + [x for f in files for x in ("--solver", f)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "Stepping the solvers on 2 worker threads" in err
+    lines = err.splitlines()
+    for k, (iters, display) in enumerate([(12, 3), (10, 2), (14, 7)]):
+        train, test = parse_lines([l for l in lines if f"] [s{k}] " in l])
+        assert [r["NumIters"] for r in train] == list(range(0, iters, display))
+        assert [r["NumIters"] for r in test] == list(range(0, iters + 1, 5))
+    log = folder / "train.log"
+    log.write_text(err)
+    assert main(["parse-log", str(log), str(folder), "--prefix", "[s1]"]) == 0
+    assert len((folder / "train.log.train").read_text().splitlines()) == 1 + 5
+    assert main(["train", "--together-threads", "0", "--solver", files[0], "--solver", files[1]]) == 1
+    assert "threads must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_worker_count_by_net_size(setup, monkeypatch):
+    from brewnet.many.together import plan_groups, worker_count
+    from brewnet.threads import usable_cores
+
+    monkeypatch.delenv("BREWNET_TOGETHER_THREADS", raising=False)
+    _, write = setup
+    t = TrainTogether(write(net_text=QUIET, tag="q"))
+    assert worker_count(t.solvers) == 1 and len(t.groups) == 1     # tiny nets: one thread
+    for s in t.solvers:
+        s.threads.tiny = False
+    assert worker_count(t.solvers) == min(3, usable_cores())     # one per core
+    monkeypatch.setenv("BREWNET_TOGETHER_THREADS", "2")
+    assert worker_count(t.solvers) == 2 and worker_count(t.solvers, 5) == 3
+    assert plan_groups(t.solvers, {0, 2}, 2) == [[0, 2], [1]]
+    assert plan_groups(t.solvers, {0, 1, 2}, 3) == [[0, 1, 2]]
+
+
+def test_stop_request_reaches_every_worker_thread(setup):
+    folder, write = setup
+    t = TrainTogether(write(net_text=QUIET, tag="q"), threads=2)
+    first = t.solvers[0]
+    first.add_callback(on_gradients=lambda: first.iter == 2 and t.request_action("stop"))
+    t.solve()
+    files = snapshots(folder)
+    for s in t.solvers:      # each stops at its next check: this round or the next
+        assert 3 <= s.iter <= 4 < s.param.max_iter
+        assert f"{s.param.snapshot_prefix.rsplit('/', 1)[-1]}_iter_{s.iter}.caffemodel" in files

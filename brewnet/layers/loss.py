@@ -53,6 +53,12 @@ def _labels(label: torch.Tensor, ignore: int | None):
 def check_labels(layer, label: torch.Tensor, k: int, ignore: int | None = None) -> None:
     """Caffe CHECKs 0 <= label < K at every non-ignored position; torch's scatter_/gather
     would fail with an index error that names neither the layer nor the value."""
+    if ignore is None and label.is_floating_point() and label.numel():
+        # one reduction for the common case (a training step's hot path): trunc(x) is in
+        # [0, k) iff -1 < x < k; NaN and inf fail it and take the search below
+        lo, hi = torch.aminmax(label.detach())
+        if float(lo) > -1 and float(hi) < k:
+            return
     lab = label.detach().reshape(-1).trunc()    # Caffe's static_cast<int>
     bad = ~((lab >= 0) & (lab < k))             # NaN is out of range too
     if ignore is not None:
@@ -81,13 +87,14 @@ class _WeightedLogLoss(torch.autograd.Function):
         if valid is not None:
             per = per * valid
         ctx.save_for_backward(logp, rows, valid)
-        ctx.norm = norm
+        ctx.norm, ctx.onehot = norm, h is None
         return -per.sum() / norm
 
     @staticmethod
     def backward(ctx, g):
         logp, rows, valid = ctx.saved_tensors
-        dx = logp.exp() * rows.sum(1, keepdim=True) - rows
+        # one-hot rows (SoftmaxWithLoss) sum to exactly 1: the product would be p itself
+        dx = (logp.exp() if ctx.onehot else logp.exp() * rows.sum(1, keepdim=True)) - rows
         if valid is not None:
             dx = dx * valid
         return dx * (g / ctx.norm), None, None, None, None, None

@@ -6,7 +6,8 @@
 the same batches into one ``DataStream``: each batch is read, decoded, transformed and moved to
 the device once, by the first solver's layer, and every net reading that data definition gets
 the same tensors, in the order it would have read them alone. ``solve()`` runs one iteration of
-each solver in turn until each reaches its own ``max_iter``.
+each solver in turn (or several at once on worker threads, below) until each reaches its own
+``max_iter``.
 
 Why each net's numbers are those of training alone: a net sees the batches it would have read
 (same definition, same position in the stream); torch's global random stream (Dropout, random
@@ -23,15 +24,38 @@ when the layer draws random numbers (mirror, a TRAIN crop, rand_skip, shuffle, W
 random state. Log lines start with the solver's prefix (``[s0] ``, ``[s1] ``... by position;
 ``brewnet parse-log --prefix "[s1]"`` picks one out), and the log says how many data streams
 are read and why a solver could not share one.
+
+Worker threads (``threads=N``, ``brewnet train --together-threads N``, ``$BREWNET_TOGETHER_THREADS``):
+the solvers are split into N groups and each round runs one iteration of every solver, a group
+per thread, the rounds in lock-step (the batches kept for slower consumers stay bounded; an
+error in a thread is raised here once the round ends, naming its solver). Torch's intra-op
+count is one per process here (libgomp's for threads outside a team): the run holds it at
+cores / N (each solver's ``threads.Tuner`` pinned) and puts the count back after. Torch's
+global random stream is one per process too: the solvers whose nets may draw from it in a
+step (``draws_random``: Dropout, stochastic Pooling, Python or foreign layers) all step in the
+first group, one after another with their own state swapped in, and the other threads never
+touch it; data streams take a lock (the leader's read happens once, under it). So the files
+are byte-identical to each solver alone at cores / N torch threads.
+The default, by measurement on the 2-core CPU (one step of all K nets): for LeNet
+(convolutions: torch releases the GIL in its kernels) two threads of one intra-op thread each
+took 200 ms vs 235 ms for K = 8 one after another on two intra-op threads (in
+``benchmarks/many_nets.py``'s ``together`` vs ``together:1``: 162 vs 193 ms at K = 4, 319 vs
+360 ms at K = 8); for the single-InnerProduct net (a step is ~1.2 ms, mostly Python under
+the GIL) two threads were slower (18-20 ms vs 14-15 ms at K = 8). So: one thread per usable
+core when some net is not tiny (``brewnet.threads.TINY_FLOPS``) and all train on the CPU,
+else one after another.
 """
 from __future__ import annotations
 
 import collections
 import functools
 import logging
+import os
+import threading
 
 import torch
 
+from .. import threads as _threads
 from ..proto import caffe_pb2 as pb
 from ..solvers import Solver, SolverError, get_solver
 from ..solvers.guards import signal_effects
@@ -40,6 +64,7 @@ from .merge import first_difference, show
 
 log = logging.getLogger("brewnet")
 SHAREABLE = ("Data", "ImageData", "WindowData", "HDF5Data")
+ENV_THREADS = "BREWNET_TOGETHER_THREADS"
 
 
 class DataStream:
@@ -54,28 +79,42 @@ class DataStream:
         self._pos: dict = {}
         self.reads = 0            # batches read from the source
         self.consumers: list[str] = []
+        self._lock = threading.RLock()    # worker threads take batches at once
 
     def attach(self, layer, consumer, who: str) -> None:
         self._pos[consumer] = self._base
         self.consumers.append(who)
         layer.forward = functools.partial(self._take, consumer, layer)
+        if hasattr(layer, "cursor_state"):      # a snapshot on another thread waits for a take
+            layer.cursor_state = functools.partial(self._cursor, layer)
         if layer is not self.layer and getattr(layer, "prefetcher", None) is not None:
             layer.prefetcher.close()      # never started: it read nothing
             layer.prefetcher = None
 
     def detach(self, consumer) -> None:
-        self._pos.pop(consumer, None)
-        self._trim()
+        with self._lock:
+            self._pos.pop(consumer, None)
+            self._trim()
 
     def _take(self, consumer, layer, bottoms):
+        with self._lock:        # the leader's read too: a batch is read once, in order
+            return self._take_locked(consumer, layer, bottoms)
+
+    def _take_locked(self, consumer, layer, bottoms):
         if consumer not in self._pos:
             raise SolverError(f"solver {consumer[0]} has finished solving and its data stream has "
                               "moved on; train it further in a new TrainTogether")
         i = self._pos[consumer] - self._base
         if i == len(self._batches):
             # with the leader's position after it: each consumer's snapshot records where
-            # its own data stands (brewnet.data.cursors), as it would alone
-            self._batches.append((self._read(bottoms), getattr(self.layer, "consumed_state", None)))
+            # its own data stands (brewnet.data.cursors), as it would alone. A read for
+            # another consumer leaves the leader's own position as it was (its solver may
+            # snapshot before it takes this batch).
+            mine = getattr(self.layer, "consumed_state", None)
+            batch = self._read(bottoms)
+            self._batches.append((batch, getattr(self.layer, "consumed_state", None)))
+            if mine is not None:
+                self.layer.consumed_state = mine
             self.reads += 1
         out, state = self._batches[i]
         if state is not None:
@@ -86,6 +125,10 @@ class DataStream:
         self._pos[consumer] += 1
         self._trim()
         return list(out)
+
+    def _cursor(self, layer):
+        with self._lock:
+            return type(layer).cursor_state(layer)
 
     def _trim(self) -> None:
         low = min(self._pos.values(), default=self._base + len(self._batches))
@@ -168,10 +211,12 @@ class TrainTogether:
     ``solvers``: solver files, SolverParameters (net paths resolvable from here) or Solver
     objects (built ones keep the random state they have; pass files or messages for numbers
     equal to training alone). ``prefixes``: log prefixes (default ``[s0] ``, ``[s1] ``...).
-    ``registry``: the solver classes by type (pycaffe's, to get pycaffe Nets).
+    ``registry``: the solver classes by type (pycaffe's, to get pycaffe Nets). ``threads``:
+    worker threads stepping the solvers at once (default ``$BREWNET_TOGETHER_THREADS``, else
+    chosen as the module docstring says; 1 steps them one after another in this thread).
     """
 
-    def __init__(self, solvers, device=None, prefixes=None, registry=None):
+    def __init__(self, solvers, device=None, prefixes=None, registry=None, threads=None):
         if not solvers:
             raise SolverError("train together: no solvers given")
         self.prefixes = list(prefixes) if prefixes else [f"[s{k}] " for k in range(len(solvers))]
@@ -189,6 +234,11 @@ class TrainTogether:
                  len(self.streams))
         for st in self.streams:
             log.info("Data stream of %s: read for %s", st.who, ", ".join(st.consumers))
+        self.drawing = {k for k, s in enumerate(self.solvers) if draws_random(s)}
+        self.groups = plan_groups(self.solvers, self.drawing, worker_count(self.solvers, threads))
+        if len(self.groups) > 1:
+            log.info("Stepping the solvers on %d worker threads: %s", len(self.groups),
+                     "; ".join(" ".join(self.prefixes[k].strip() for k in g) for g in self.groups))
 
     def _check_prefixes(self) -> None:
         seen = {}
@@ -205,13 +255,14 @@ class TrainTogether:
         cuda = solver.device.type == "cuda"
         return torch.get_rng_state(), (torch.cuda.get_rng_state(solver.device) if cuda else None)
 
-    def _advance(self, k: int, run) -> bool:
+    def _advance(self, k: int, run, swap_rng: bool = True) -> bool:
         """One iteration of solver ``k`` with its own random state and prefix; False when done."""
         s = self.solvers[k]
-        cpu, cuda = self._rng[k]
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, s.device)
+        if swap_rng:
+            cpu, cuda = self._rng[k]
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, s.device)
         try:
             with log_prefix(self.prefixes[k]):
                 next(run)
@@ -221,19 +272,67 @@ class TrainTogether:
         except (ValueError, OSError, FloatingPointError) as e:
             e.args = (f"solver {k} ({self.prefixes[k].strip()}): {e}",) + e.args[1:]
             raise
+        except Exception as e:      # torch's RuntimeErrors...: the traceback names the solver
+            e.add_note(f"in solver {k} ({self.prefixes[k].strip()}) of TrainTogether")
+            raise
         finally:
-            self._rng[k] = self._rng_state(s)
+            if swap_rng:
+                self._rng[k] = self._rng_state(s)
 
     def _run(self, runs, detach: bool, on_finished=None) -> None:
         active = list(range(len(runs)))
+
+        def done(k):
+            active.remove(k)
+            if detach:
+                self.finished(k)
+            if on_finished is not None:
+                on_finished(k)
+        if len(self.groups) > 1:
+            return self._run_threaded(runs, active, done)
         while active:
             for k in list(active):
                 if not self._advance(k, runs[k]):
-                    active.remove(k)
-                    if detach:
-                        self.finished(k)
-                    if on_finished is not None:
-                        on_finished(k)
+                    done(k)
+
+    def _round(self, ks, runs) -> list[int]:
+        """One iteration of each solver in ``ks`` (a worker thread's group); those done. Only
+        the drawing solvers swap torch's global random state: they all share one group, so
+        no other thread touches it meanwhile."""
+        return [k for k in ks if not self._advance(k, runs[k], swap_rng=k in self.drawing)]
+
+    def _run_threaded(self, runs, active, done) -> None:
+        """Rounds of one iteration per active solver, each group on its worker thread; the
+        round ends when every group's has (batches kept for slower consumers stay bounded,
+        and an error surfaces here, after the other groups' iterations)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        total = _threads.user_threads() or _threads.ceiling()
+        per = max(1, total // len(self.groups))      # the process-wide count, for every worker
+        before = torch.get_num_threads()
+        for s in self.solvers:
+            s.threads.pinned = per
+        torch.set_num_threads(per)
+        try:
+            with ThreadPoolExecutor(len(self.groups), thread_name_prefix="together",
+                                    initializer=torch.set_num_threads, initargs=(per,)) as pool:
+                while active:
+                    live = [[k for k in g if k in active] for g in self.groups]
+                    futures = [pool.submit(self._round, g, runs) for g in live if g]
+                    finished, error = [], None
+                    for f in futures:
+                        try:
+                            finished += f.result()
+                        except BaseException as e:      # noqa: B036 - re-raised below
+                            error = error or e
+                    if error is not None:
+                        raise error
+                    for k in sorted(finished):
+                        done(k)
+        finally:
+            for s in self.solvers:
+                s.threads.pinned = None
+            torch.set_num_threads(before)
 
     def finished(self, k: int) -> None:
         """Solver ``k`` reads no more (it solved to max_iter): its streams stop keeping batches
@@ -277,8 +376,53 @@ class TrainTogether:
         return n
 
 
-def train_together(solvers, device=None, **kw) -> TrainTogether:
-    """Build ``TrainTogether(solvers, device)`` and solve; returns it (``.solvers``)."""
-    t = TrainTogether(solvers, device=device)
+def draws_random(solver) -> bool:
+    """Whether a step of ``solver`` may draw from torch's global random stream: a Dropout or
+    stochastic Pooling layer, a Python layer, or a layer class from outside brewnet (whose
+    draws cannot be known) in any of its nets."""
+    for net in [solver.net, *solver.test_nets]:
+        for layer in net.layer_list:
+            if layer.type in ("Dropout", "Python") or not type(layer).__module__.startswith("brewnet."):
+                return True
+            if layer.type == "Pooling" and layer.param.pooling_param.pool == pb.PoolingParameter.STOCHASTIC:
+                return True
+    return False
+
+
+def worker_count(solvers, requested=None) -> int:
+    """Worker threads for ``solvers``: ``requested``, else ``$BREWNET_TOGETHER_THREADS``, else
+    one per usable core when some net is not tiny (``brewnet.threads.TINY_FLOPS``) and all
+    train on the CPU, else 1 (see the module docstring for the measurements)."""
+    if requested is None:
+        env = os.environ.get(ENV_THREADS, "").strip()
+        if env:
+            try:
+                requested = int(env)
+            except ValueError:
+                raise SolverError(f"{ENV_THREADS}={env!r}: expected a positive integer") from None
+    if requested is None:
+        big = any(not s.threads.tiny for s in solvers)
+        cpu = all(s.device.type == "cpu" for s in solvers)
+        requested = _threads.usable_cores() if big and cpu else 1
+    if int(requested) < 1:
+        raise SolverError(f"train together: threads must be >= 1, got {requested}")
+    return min(int(requested), len(solvers))
+
+
+def plan_groups(solvers, drawing, n: int) -> list[list[int]]:
+    """The solvers' indices in ``n`` groups, one per worker thread: every drawing solver in the
+    first (torch's random stream is one per process), the others each to the group with the
+    fewest; empty groups dropped."""
+    groups: list[list[int]] = [[] for _ in range(max(1, n))]
+    groups[0] += sorted(drawing)
+    for k in range(len(solvers)):
+        if k not in drawing:
+            min(groups, key=len).append(k)
+    return [sorted(g) for g in groups if g]
+
+
+def train_together(solvers, device=None, threads=None, **kw) -> TrainTogether:
+    """Build ``TrainTogether(solvers, device, threads=threads)`` and solve; returns it."""
+    t = TrainTogether(solvers, device=device, threads=threads)
     t.solve(**kw)
     return t

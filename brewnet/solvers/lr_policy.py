@@ -17,7 +17,10 @@ f32 = np.float32
 
 def _powf(x, y) -> np.float32:
     # powf's domain: a negative base with a fractional power is NaN and 0 to a negative power
-    # is inf (poly past max_iter) - math.pow would raise instead.
+    # is inf (poly past max_iter) - math.pow would raise instead. A result in (0, 1] (inv's
+    # and poly's every step) can do neither: the same call without errstate's cost.
+    if 0 < x and (x <= 1) == (y >= 0):
+        return f32(np.power(np.float64(x), np.float64(y)))
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         return f32(np.power(np.float64(x), np.float64(y)))
 

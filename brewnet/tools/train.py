@@ -15,7 +15,8 @@ under the solver's prefix (none: from the start), so ``torchrun --max-restarts K
 Several ``--solver`` flags train the solvers together in one process (``brewnet.many``): each
 keeps its own rule, schedule and snapshots, its log lines start with ``[s0] ``, ``[s1] ``... (by
 position; ``brewnet parse-log --prefix "[s1]"`` picks one out), and each batch is read once per
-data definition. ``--fuse`` runs them as one fused net (``brewnet.many.fused``; an error naming
+data definition; ``--together-threads N`` steps them on N worker threads at once (default:
+one per core when the nets are not tiny, ``brewnet.many.together``). ``--fuse`` runs them as one fused net (``brewnet.many.fused``; an error naming
 the first layer that differs when they cannot be fused). Data parallel trains one solver.
 """
 from __future__ import annotations
@@ -39,6 +40,10 @@ def add_arguments(p) -> None:
                    help="the solver definition (.prototxt); repeat it to train several together")
     p.add_argument("--fuse", "-fuse", action="store_true",
                    help="with several --solver of one architecture: train them as one fused net")
+    p.add_argument("--together-threads", "-together_threads", type=int, default=None, metavar="N",
+                   help="with several --solver: worker threads stepping them at once (default "
+                        "$BREWNET_TOGETHER_THREADS, else one per core when the nets are not tiny; "
+                        "1: one after another)")
     p.add_argument("--weights", "-weights", default="", metavar="W1,W2",
                    help="pretrained .caffemodel(s) to finetune from, separated by ','")
     p.add_argument("--snapshot", "-snapshot", default="", metavar="S",
@@ -233,7 +238,7 @@ def _train_many(args, holder, pending) -> int:
         else:
             from ..many.together import TrainTogether
 
-            runner = TrainTogether(params, device=device)
+            runner = TrainTogether(params, device=device, threads=args.together_threads)
             runner.size_threads()
         act = getattr(runner, "request_action", None) or (
             lambda e: [s.request_action(e) for s in runner.solvers if hasattr(s, "request_action")])
