@@ -64,8 +64,12 @@ def server(tmp_path_factory, request):
         assert proc.poll() is None, proc.stderr.read()
     yield url, proc
     if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def test_workers_share_the_port_and_the_metrics(server):
@@ -179,3 +183,48 @@ def test_sigterm_under_load_loses_no_accepted_request(server):
     assert "Finished server process" in proc.stderr.read()
     assert set(results) <= {200, "refused"}, sorted(set(map(str, results)))
     assert results.count(200) >= 40
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"    # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's /proc and PR_SET_PDEATHSIG")
+def test_workers_stop_when_the_parent_is_killed(tmp_path):
+    """SIGKILL to the parent (no chance to stop its workers): the workers drain and exit rather
+    than go on serving the port, orphaned."""
+    weights = tmp_path / "lenet.caffemodel"
+    Net(str(LENET)).save(str(weights))
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "brewnet.cli", "serve", "--model", str(LENET),
+                             "--weights", str(weights), "--port", str(port), "--workers", "2"],
+                            env=env, stderr=subprocess.DEVNULL)
+    url, pids, deadline = f"http://127.0.0.1:{port}", set(), time.monotonic() + 120
+    while len(pids) < 2 and time.monotonic() < deadline:
+        try:
+            pids.add(httpx.get(url + "/healthz", timeout=1).json()["pid"])
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    assert len(pids) == 2 and pids <= set(children(proc.pid)), pids
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their killed parent"

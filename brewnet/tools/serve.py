@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -113,8 +114,24 @@ def make_app(args):
     return create_app(model, limits, args.max_batch, args.max_delay_ms / 1e3, fixed, inline)
 
 
+def _exit_with_parent() -> None:
+    """SIGTERM to this worker when its parent dies: a parent killed outright (SIGKILL) cannot
+    stop its workers, which would otherwise go on serving the port, orphaned (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import multiprocessing
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)       # PR_SET_PDEATHSIG
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:           # it died before the call
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def worker_app():
     """One worker's app (``--workers N``; uvicorn calls it in the new process)."""
+    _exit_with_parent()
     log_to_stderr()
     return make_app(argparse.Namespace(**json.loads(os.environ[FLAGS_ENV])))
 
