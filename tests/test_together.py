@@ -95,14 +95,20 @@ def snapshots(folder, take=True):
     return out
 
 
-def test_three_solvers_write_the_files_they_write_alone(setup, record_reads):
-    folder, write = setup
-    files = write()
-    reads_alone = []
+def solve_alone(files, record_reads) -> list[int]:
+    """Each solver trained alone; the records each read."""
+    reads = []
     for f in files:
         before = record_reads["n"]
         get_solver(f).solve()
-        reads_alone.append(record_reads["n"] - before)
+        reads.append(record_reads["n"] - before)
+    return reads
+
+
+def test_three_solvers_write_the_files_they_write_alone(setup, record_reads):
+    folder, write = setup
+    files = write()
+    reads_alone = solve_alone(files, record_reads)
     alone = snapshots(folder)
     # iters 5, 10, 12 (after training); 4, 8, 10; 7, 14: .caffemodel, .solverstate and the data
     # cursors beside it (brewnet.data.cursors), each as alone
@@ -235,11 +241,7 @@ def mixed(write):
 def test_worker_threads_write_the_files_they_write_alone(setup, record_reads, caplog):
     folder, write = setup
     files = mixed(write)
-    reads_alone = []
-    for f in files:
-        before = record_reads["n"]
-        get_solver(f).solve()
-        reads_alone.append(record_reads["n"] - before)
+    reads_alone = solve_alone(files, record_reads)
     alone = snapshots(folder)
     caplog.set_level("INFO", logger="brewnet")
     threads = torch.get_num_threads()
