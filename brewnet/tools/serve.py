@@ -163,6 +163,8 @@ def run(args) -> int:
                                         if isinstance(v, (str, int, float, bool, type(None), list))})
     try:
         serve_workers(f"{__name__}:worker_app", args.workers, args.host, args.port, args.access_log)
+    except OSError as e:                                  # the port is taken
+        return report(COMMAND, e)
     finally:
         shutil.rmtree(shared, ignore_errors=True)
     return 0

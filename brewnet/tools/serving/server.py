@@ -5,18 +5,26 @@ and not yet read was dropped (seen under load in tests/test_serve.py). A fixed p
 enough when forwards kept the event loop busy, so the server waits until no request has come in
 for ``DRAIN_S`` (at most ``MAX_DRAIN_S``).
 
-Several workers (``serve_workers``): uvicorn's own supervisor, whose worker processes share one
-listening socket (the kernel hands each new connection to one of them), are health-checked and
-restarted when they die, and get SIGTERM from it when the parent gets SIGTERM or SIGINT; each
-worker is a ``DrainingServer`` that builds its app from ``factory`` in the new process.
+Several workers (``serve_workers``): uvicorn's own supervisor, whose worker processes are
+health-checked and restarted when they die, and get SIGTERM from it when the parent gets SIGTERM
+or SIGINT; each worker is a ``DrainingServer`` that builds its app from ``factory`` in the new
+process. Where the system has ``SO_REUSEPORT`` (Linux, the BSDs) each worker listens on a socket
+of its own and the kernel spreads new connections over them by a hash of the addresses. On one
+shared socket (uvicorn's way, kept where there is no SO_REUSEPORT) whichever worker wakes first
+accepts: 32 keep-alive clients split unevenly, one worker batching 9 requests a forward while
+the other idled (seen in benchmarks/serve.py).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 
 import uvicorn
 from uvicorn.supervisors import multiprocess
 
+log = logging.getLogger("brewnet")
+REUSE_PORT = hasattr(socket, "SO_REUSEPORT")
 DRAIN_S = 0.25      # quiet time, after closing the listener, before closing idle connections
 MAX_DRAIN_S = 10.0
 
@@ -45,6 +53,18 @@ class DrainingProcess(multiprocess.Process):
             self._server = DrainingServer(config=self.config)
         return self._server
 
+    def target(self, sockets=None) -> None:  # in the worker process
+        super().target(sockets or [_listener(self.config.host, self.config.port, REUSE_PORT)])
+
+
+def _listener(host: str, port: int, reuse_port: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
 
 class Supervisor(multiprocess.Multiprocess):
     """uvicorn's supervisor, letting go of the listening socket before it stops the workers: the
@@ -69,12 +89,28 @@ def serve(app, host: str, port: int, access_log: bool) -> None:
 
 def serve_workers(factory: str, workers: int, host: str, port: int, access_log: bool) -> None:
     """``workers`` processes, each serving ``factory()`` (an import string "module:function")."""
+    try:
+        # without SO_REUSEPORT: fails if anything holds the port, so the workers' sockets never
+        # join another server's; it also fixes port 0 to one port for all of them
+        probe = _listener(host, port, reuse_port=False)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    port = probe.getsockname()[1]
+    if REUSE_PORT:
+        probe.close()                # each worker binds its own (DrainingProcess.target)
+        sockets = []
+    else:
+        probe.listen(2048)
+        probe.set_inheritable(True)
+        sockets = [probe]
     config = _config(factory, host, port, access_log, factory=True, workers=workers)
-    sock = config.bind_socket()
+    log.info("Serving on http://%s:%d with %d workers (%s)", host, port, workers,
+             "a socket each, SO_REUSEPORT" if REUSE_PORT else "one shared socket")
     # the supervisor makes (and remakes) its workers through this module-level name
     multiprocess.Process = DrainingProcess
     try:
-        Supervisor(config, sockets=[sock]).run()
+        Supervisor(config, sockets=sockets).run()
     finally:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         multiprocess.Process = DrainingProcess.__base__
