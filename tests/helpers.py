@@ -116,3 +116,19 @@ def swap_data_layers(net_param, shapes_per_layer):
         else:
             out.layer.append(lp)
     return out
+
+
+def random_digits_lmdb(path, n: int, side: int, seed: int) -> str:
+    """An LMDB of ``n`` random 1 x side x side uint8 Datums with labels 0-9 (keys 00000000...)."""
+    import numpy as np
+
+    from brewnet.data.db import open_writer
+    from brewnet.data.transform import chw_to_datum
+
+    rng = np.random.default_rng(seed)
+    with open_writer(str(path)) as w:
+        for i in range(n):
+            w.put(f"{i:08d}", chw_to_datum(rng.integers(0, 256, (1, side, side), dtype=np.uint8),
+                                           int(rng.integers(10))).SerializeToString())
+    return str(path)
+

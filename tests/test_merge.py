@@ -10,22 +10,16 @@ from google.protobuf import text_format
 import brewnet as caffe
 from brewnet import layers as L, params as P
 from brewnet.cli import main
-from brewnet.data.db import open_writer
-from brewnet.data.transform import chw_to_datum
 from brewnet.many.merge import MergeError
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import read_net
 
+from helpers import random_digits_lmdb
+
 
 @pytest.fixture
 def lmdb(tmp_path):
-    rng = np.random.default_rng(12)
-    path = tmp_path / "digits_lmdb"
-    with open_writer(str(path)) as w:
-        for i in range(48):
-            w.put(f"{i:08d}", chw_to_datum(rng.integers(0, 256, (1, 8, 8), dtype=np.uint8),
-                                           int(rng.integers(10))).SerializeToString())
-    return str(path)
+    return random_digits_lmdb(tmp_path / "digits_lmdb", 48, 8, seed=12)
 
 
 def data_layers(lmdb, batch):

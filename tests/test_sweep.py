@@ -7,10 +7,10 @@ import pytest
 
 from brewnet.analysis.logparse import parse_log
 from brewnet.cli import main
-from brewnet.data.db import open_writer
-from brewnet.data.transform import chw_to_datum
 from brewnet.many.sweep import SweepError, parse_sets, variants
 from brewnet.solvers import get_solver
+
+from helpers import random_digits_lmdb
 
 NET = """name: "tiny"
 layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TRAIN }}
@@ -26,12 +26,7 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: 
 
 @pytest.fixture
 def solver_file(tmp_path):
-    rng = np.random.default_rng(8)
-    lmdb = tmp_path / "lmdb"
-    with open_writer(str(lmdb)) as w:
-        for i in range(40):
-            w.put(f"{i:08d}", chw_to_datum(rng.integers(0, 256, (1, 6, 6), dtype=np.uint8),
-                                           int(rng.integers(10))).SerializeToString())
+    lmdb = random_digits_lmdb(tmp_path / "lmdb", 40, 6, seed=8)
     (tmp_path / "tiny.prototxt").write_text(NET.format(lmdb=lmdb))
     f = tmp_path / "tiny_solver.prototxt"
     f.write_text('net: "tiny.prototxt" base_lr: 0.01 lr_policy: "fixed" momentum: 0.9 '

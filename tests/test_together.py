@@ -10,10 +10,10 @@ import torch
 from brewnet.analysis.logparse import parse_lines
 from brewnet.cli import main
 from brewnet.data import db
-from brewnet.data.db import open_writer
-from brewnet.data.transform import chw_to_datum
 from brewnet.many import TrainTogether
 from brewnet.solvers import get_solver
+
+from helpers import random_digits_lmdb
 
 NET = """name: "small"
 layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TRAIN }}
@@ -52,12 +52,7 @@ SOLVERS = {   # SGD/step, Adam/fixed, Nesterov/inv: own seeds, schedules and sna
 
 @pytest.fixture
 def setup(tmp_path):
-    rng = np.random.default_rng(4)
-    lmdb = tmp_path / "digits_lmdb"
-    with open_writer(str(lmdb)) as w:
-        for i in range(50):
-            w.put(f"{i:08d}", chw_to_datum(rng.integers(0, 256, (1, 10, 10), dtype=np.uint8),
-                                           int(rng.integers(10))).SerializeToString())
+    lmdb = random_digits_lmdb(tmp_path / "digits_lmdb", 50, 10, seed=4)
 
     def write(batch=8, prefetch=0, net_text=NET, tag="", **extra):
         net = tmp_path / f"net_{batch}_{prefetch}{tag}.prototxt"
