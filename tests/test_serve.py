@@ -228,3 +228,27 @@ def test_workers_stop_when_the_parent_is_killed(tmp_path):
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, f"workers {left} outlived their killed parent"
+
+
+def test_bad_worker_flags_and_a_taken_port(tmp_path, capsys):
+    """--workers 0 and a port already in use: one line naming the problem, exit 1."""
+    import torch
+
+    from brewnet.cli import main
+
+    weights = tmp_path / "lenet.caffemodel"
+    Net(str(LENET)).save(str(weights))
+    args = ["serve", "--model", str(LENET), "--weights", str(weights)]
+    assert main(args + ["--workers", "0"]) == 1
+    assert "--workers must be at least 1" in capsys.readouterr().err
+    threads = torch.get_num_threads()      # serve sizes this process's threads: given back
+    try:
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            port = held.getsockname()[1]
+            assert main(args + ["--port", str(port), "--workers", "2"]) == 1
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
