@@ -230,25 +230,22 @@ def test_workers_stop_when_the_parent_is_killed(tmp_path):
     assert not left, f"workers {left} outlived their killed parent"
 
 
-def test_bad_worker_flags_and_a_taken_port(tmp_path, capsys):
+def test_bad_worker_flags_and_a_taken_port(tmp_path):
     """--workers 0 and a port already in use: one line naming the problem, exit 1."""
-    import torch
-
-    from brewnet.cli import main
-
     weights = tmp_path / "lenet.caffemodel"
     Net(str(LENET)).save(str(weights))
-    args = ["serve", "--model", str(LENET), "--weights", str(weights)]
-    assert main(args + ["--workers", "0"]) == 1
-    assert "--workers must be at least 1" in capsys.readouterr().err
-    threads = torch.get_num_threads()      # serve sizes this process's threads: given back
-    try:
-        with socket.socket() as held:
-            held.bind(("127.0.0.1", 0))
-            held.listen()
-            port = held.getsockname()[1]
-            assert main(args + ["--port", str(port), "--workers", "2"]) == 1
-    finally:
-        torch.set_num_threads(threads)
-    err = capsys.readouterr().err
-    assert f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+
+    def serve(*extra):
+        return subprocess.run([sys.executable, "-m", "brewnet.cli", "serve", "--model", str(LENET),
+                               "--weights", str(weights), *extra], env=env, capture_output=True,
+                              text=True, timeout=300)
+    r = serve("--workers", "0")
+    assert r.returncode == 1 and "--workers must be at least 1" in r.stderr, r.stderr
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = serve("--port", str(port), "--workers", "2")
+    assert r.returncode == 1, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr, r.stderr
