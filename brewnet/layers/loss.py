@@ -7,6 +7,7 @@ an ``autograd.Function`` whose backward is Caffe's formula; elsewhere autograd g
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +51,18 @@ def _labels(label: torch.Tensor, ignore: int | None):
     return torch.where(valid, lab, torch.zeros_like(lab)), valid
 
 
+DEFERRED = threading.local()    # .record: a list while the step graph traces (its own thread)
+
+
 def check_labels(layer, label: torch.Tensor, k: int, ignore: int | None = None) -> None:
     """Caffe CHECKs 0 <= label < K at every non-ignored position; torch's scatter_/gather
-    would fail with an index error that names neither the layer nor the value."""
+    would fail with an index error that names neither the layer nor the value. While a step
+    graph is traced the check is recorded instead (it branches on values), and run before each
+    replay (brewnet/solvers/step_graph.py)."""
+    record = getattr(DEFERRED, "record", None)
+    if record is not None:
+        record.append((layer, label, k, ignore))
+        return
     if ignore is None and label.is_floating_point() and label.numel():
         # one reduction for the common case (a training step's hot path): trunc(x) is in
         # [0, k) iff -1 < x < k; NaN and inf fail it and take the search below
@@ -459,6 +469,11 @@ class Accuracy(Layer):
         ignore = p.ignore_label if p.HasField("ignore_label") else None
         check_labels(self, bottoms[1], k, ignore)
         lab, valid = _labels(bottoms[1].reshape(outer, 1, inner), ignore)
+        if valid is None and self.num_tops == 1:
+            # every label counts: fewer than top_k others >= the true class <=> at most top_k
+            # classes >= it (itself included); the mean over outer * inner > 0 labels
+            hits = (x >= x.gather(1, lab)).sum(1) <= p.top_k
+            return [hits.sum().to(x.dtype) / (outer * inner)]
         if valid is None:
             valid = torch.ones_like(lab, dtype=torch.bool)
         better = (x >= x.gather(1, lab)).sum(1, keepdim=True) - 1   # the true class counts itself

@@ -22,6 +22,7 @@ from ..data import cursors
 from ..net import Net
 from ..proto import caffe_pb2 as pb
 from . import snapshot as ss
+from . import step_graph
 from .guards import LossNotFiniteError, nonfinite_origin, signal_effects
 from .logprefix import prefixed
 from .lr_policy import policy
@@ -238,6 +239,7 @@ class Solver:
                 on_start and on_start()
             display = p.display and self.iter % p.display == 0
             with self.threads:           # times the iteration for the thread choice
+                self._iters_left = stop_iter - self.iter     # for the step graph's choice
                 self.loss = self._forward_backward()
                 self._update_smoothed_loss(self.loss, start_iter)
                 if display:
@@ -321,17 +323,41 @@ class Solver:
 
     def _forward_backward(self) -> np.float32:
         total = None
+        graph = self._step_graph(getattr(self, "_iters_left", 0))
         for _ in range(self.param.iter_size):
             self._feed(self.net, self.train_feed, self._train_count)
             self._train_count += 1
-            loss = self.net.forward_tensors()
-            self.net.backward_tensors(blob_diffs=False)
+            if graph is not None:
+                loss = graph.forward_backward(may_capture=True)
+            else:
+                loss = self.net.forward_tensors()
+                self.net.backward_tensors(blob_diffs=False)
             total = loss if total is None else total + loss
         value = f32(total.item()) / f32(self.param.iter_size)
         if not math.isfinite(value):
             raise LossNotFiniteError(f"Iteration {self.iter}: loss is {value}; "
                                      f"{nonfinite_origin(self.net)}")
         return value
+
+    def _step_graph(self, iters_left: int):
+        """The train net's recorded forward-backward (step_graph.py) once this run is long
+        enough to pay for the trace; None: the eager step."""
+        g = getattr(self, "_graph", None)
+        if g is not None and g.net is self.net:
+            return g
+        self._graph_iters = getattr(self, "_graph_iters", 0) + 1
+        if (step_graph.mode() != "1" and iters_left < step_graph.MIN_ITERS
+                and self._graph_iters < step_graph.MIN_ITERS):   # a loop of short step() calls
+            return None
+        refused = getattr(self, "_graph_refused", None)
+        if refused is None or refused[0] is not self.net:
+            self._graph_refused = refused = (self.net, step_graph.refusal(self))
+            if refused[1]:
+                log.debug("step graph: %s", refused[1])
+        if refused[1]:
+            return None
+        g = self._graph = step_graph.StepGraph(self.net)
+        return g
 
     def apply_update(self, display: bool = False, store_step: bool = True) -> None:
         """One update from the current param diffs (Caffe's ``SGDSolver::ApplyUpdate``);

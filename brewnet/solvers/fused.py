@@ -16,6 +16,7 @@ import functools
 import torch
 
 VEC = 64   # the fused kernel's vector loop covers whole multiples of 16 floats
+FUSED_MIN = 1 << 16   # params smaller than this take the _foreach ops (solvers/sgd.py)
 
 
 @functools.cache

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import Solver, register
-from .fused import fused_sgd_matches, sgd_update
+from .fused import FUSED_MIN, fused_sgd_matches, sgd_update
 
 
 @register("SGD")
@@ -34,6 +34,14 @@ class SGDSolver(Solver):
         if (type(self).compute_update is not SGDSolver.compute_update or not l2 or momentum == 0
                 or not self.foreach or not fused_sgd_matches()):
             return super().update_params(todo, l2, store_step)
+        # Small params: five _foreach ops for all of them cost less than the fused call and
+        # its plain-op tail per param; the fused pass pays where memory traffic dominates.
+        small = [e for e in todo if e[1].numel() < FUSED_MIN]
+        if small:
+            super().update_params(small, l2, store_step)
+            todo = [e for e in todo if e[1].numel() >= FUSED_MIN]
+            if not todo:
+                return
         rest, pending = sgd_update(todo, self.history, momentum)
         self._pending_steps += pending
         if store_step:

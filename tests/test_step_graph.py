@@ -1,0 +1,179 @@
+"""The recorded forward-backward (brewnet/solvers/step_graph.py): the same bits as the eager
+step, its fallbacks, and pycaffe's blob semantics around it."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import brewnet as caffe
+from brewnet.proto import caffe_pb2 as pb
+from brewnet.proto import parse_text
+from brewnet.solvers import SOLVERS
+from helpers import random_digits_lmdb
+
+LOGREG = """name: "logreg"
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 10 dim: 4 } shape { dim: 10 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+        inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "accuracy" type: "Accuracy" bottom: "ip1" bottom: "label" top: "accuracy" }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top: "loss" }
+"""
+
+
+def conv_net(source: str, extra: str = "") -> str:
+    return f"""name: "small"
+layer {{ name: "d" type: "Data" top: "data" top: "label" transform_param {{ scale: 0.0039 }}
+        data_param {{ source: "{source}" batch_size: 8 backend: LMDB }} }}
+layer {{ name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param {{ num_output: 4 kernel_size: 3 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+        pooling_param {{ pool: MAX kernel_size: 2 stride: 2 }} }}
+layer {{ name: "relu1" type: "ReLU" bottom: "pool1" top: "pool1" }}
+{extra}
+layer {{ name: "ip1" type: "InnerProduct" bottom: "pool1" top: "ip1"
+        inner_product_param {{ num_output: 10 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "accuracy" type: "Accuracy" bottom: "ip1" bottom: "label" top: "accuracy" }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top: "loss" }}
+"""
+
+
+def make_solver(net: str, solver_type: str = "SGD", feed=None, extra: str = ""):
+    param = parse_text(f"""type: "{solver_type}" base_lr: 0.05 momentum: 0.9 weight_decay: 5e-4
+        lr_policy: "inv" gamma: 0.0001 power: 0.75 max_iter: 1000 display: 0 random_seed: 3
+        solver_mode: CPU {extra}""", pb.SolverParameter())
+    if solver_type == "Adam":
+        param.momentum2 = 0.999
+    param.net_param.CopyFrom(parse_text(net, pb.NetParameter()))
+    return SOLVERS[solver_type](param, train_feed=feed)
+
+
+def logreg_feed(bad_at: int | None = None):
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((50, 10, 4)).astype(np.float32)
+    ys = rng.integers(0, 3, (50, 10)).astype(np.float32)
+    if bad_at is not None:
+        ys[bad_at, 4] = 7
+    return lambda i: {"data": xs[i % 50], "label": ys[i % 50]}
+
+
+def state(s) -> list[np.ndarray]:
+    return ([p.detach().numpy().copy() for p in s.net.learnable]
+            + [h.numpy().copy() for h in s.history]
+            + [s.net.blobs[n].data.copy() for n in s.net.blobs])
+
+
+def run_both(monkeypatch, make, steps: int):
+    """(eager solver, graph solver) after ``steps`` iterations each."""
+    monkeypatch.setenv("BREWNET_STEP_GRAPH", "0")
+    eager = make()
+    eager.step(steps)
+    monkeypatch.setenv("BREWNET_STEP_GRAPH", "1")
+    graph = make()
+    graph.step(steps)
+    return eager, graph
+
+
+def assert_same(a, b):
+    for x, y in zip(state(a), state(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("solver_type", ["SGD", "Adam", "Nesterov"])
+def test_logreg_graph_equals_eager_bitwise(monkeypatch, solver_type):
+    eager, graph = run_both(monkeypatch, lambda: make_solver(LOGREG, solver_type, logreg_feed()), 30)
+    assert getattr(eager, "_graph", None) is None
+    assert graph._graph.gm is not None          # the graph ran the steps after the first
+    assert graph._graph.side_tops == ["accuracy"]
+    assert_same(eager, graph)
+    assert eager.smoothed_loss == graph.smoothed_loss
+
+
+def test_conv_net_on_lmdb_equals_eager_bitwise(monkeypatch, tmp_path):
+    src = random_digits_lmdb(tmp_path / "db", 40, 12, seed=1)
+    eager, graph = run_both(monkeypatch, lambda: make_solver(conv_net(src)), 12)
+    assert graph._graph.gm is not None
+    assert_same(eager, graph)
+
+
+def test_lazy_side_top_follows_reads_and_views(monkeypatch):
+    monkeypatch.setenv("BREWNET_STEP_GRAPH", "0")
+    eager = make_solver(LOGREG, feed=logreg_feed())
+    monkeypatch.setenv("BREWNET_STEP_GRAPH", "1")
+    graph = make_solver(LOGREG, feed=logreg_feed())
+    for k in range(6):                          # read after every step: the step's own value
+        eager.step(1)
+        graph.step(1)
+        assert graph.net.blobs["accuracy"].data == eager.net.blobs["accuracy"].data
+    view = graph.net.blobs["accuracy"].data     # a live view must follow each step at once
+    eager.step(3)
+    graph.step(3)
+    assert view == eager.net.blobs["accuracy"].data
+    assert_same(eager, graph)
+
+
+def test_out_of_range_label_is_still_caught(monkeypatch):
+    monkeypatch.setenv("BREWNET_STEP_GRAPH", "1")
+    s = make_solver(LOGREG, feed=logreg_feed(bad_at=5))
+    s.step(3)
+    assert s._graph.gm is not None
+    with pytest.raises(Exception, match=r"label 7 at position 4 is out of range"):
+        s.step(5)
+
+
+def test_weights_changed_between_steps_are_seen(monkeypatch):
+    def run():
+        s = make_solver(LOGREG, feed=logreg_feed())
+        s.step(5)
+        s.net.layer_by_name["ip1"].blobs[0].data.mul_(0.5)     # surgery, in place
+        s.step(5)
+        return s
+    eager, graph = run_both(monkeypatch, run, 0)
+    assert graph._graph.gm is not None
+    assert_same(eager, graph)
+
+
+def test_input_reshape_retraces_or_runs_eager(monkeypatch):
+    def feed(i):
+        n = 10 if i < 6 else 6
+        rng = np.random.default_rng(i)
+        return {"data": rng.standard_normal((n, 4)).astype(np.float32),
+                "label": rng.integers(0, 3, n).astype(np.float32)}
+    eager, graph = run_both(monkeypatch, lambda: make_solver(LOGREG, feed=feed), 12)
+    assert graph._graph.gm is not None and graph._graph.key[0][0][0] == (6, 4)
+    assert_same(eager, graph)
+
+
+def test_refused_nets_keep_the_eager_step(monkeypatch, tmp_path, caplog):
+    src = random_digits_lmdb(tmp_path / "db", 20, 12, seed=2)
+    drop = 'layer { name: "drop" type: "Dropout" bottom: "pool1" top: "pool1" }'
+    monkeypatch.setenv("BREWNET_STEP_GRAPH", "1")
+    with caplog.at_level(logging.DEBUG, logger="brewnet"):
+        s = make_solver(conv_net(src, drop))
+        s.step(3)
+    assert getattr(s, "_graph", None) is None
+    assert "layer 'drop' of type Dropout" in caplog.text
+    s = make_solver(LOGREG, feed=logreg_feed(), extra="iter_size: 2")
+    s.step(2)
+    assert getattr(s, "_graph", None) is None
+
+
+def test_auto_mode_waits_for_a_long_run(monkeypatch):
+    from brewnet.solvers import step_graph
+
+    monkeypatch.delenv("BREWNET_STEP_GRAPH", raising=False)
+    monkeypatch.setattr(step_graph, "MIN_ITERS", 40)
+    s = make_solver(LOGREG, feed=logreg_feed())
+    s.step(20)                                  # short: not worth a trace
+    assert getattr(s, "_graph", None) is None
+    s.step(45)
+    assert s._graph.gm is not None
+    s = make_solver(LOGREG, feed=logreg_feed())
+    for _ in range(39):                         # a loop of short calls (the notebook's solve())
+        s.step(1)
+    assert getattr(s, "_graph", None) is None
+    s.step(2)
+    assert s._graph.gm is not None
