@@ -12,6 +12,8 @@ Workloads (files written to a temporary folder):
 - ip: one InnerProduct (784 -> 10) with SoftmaxWithLoss on MNIST t10k as an LMDB (made with
   brewnet's convert_mnist from ../shared's idx files), batch 100.
 - lenet: Caffe's lenet_train_test TRAIN net on the same LMDB, batch 64.
+Path ``torch1st`` is the pycaffe script that imports torch before brewnet (libgomp's wait
+policy is then fixed before brewnet can make it passive; see brewnet/threads.py).
 Conditions: idle; one spinning neighbour (``python -c 'while 1: pass'``); a second brewnet
 process training the same net through the CLI. Paths: a fresh pycaffe script process
 (``caffe.get_solver(...).step(n)``, timed around the call) and ``brewnet train`` (the rate from
@@ -109,6 +111,8 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 def worker(folder: Path, name: str) -> None:
     """A user's pycaffe script: build the solver, warm up, time ``solver.step(n)``."""
     sys.path.insert(0, str(ROOT))
+    if os.environ.get("SMALL_NETS_TORCH_FIRST"):
+        import torch  # noqa: F401  (the torch-first path: a script that imports torch first)
     import brewnet as caffe
     import torch
 
@@ -121,9 +125,10 @@ def worker(folder: Path, name: str) -> None:
     print(json.dumps({"per_step_s": dt / steps, "threads": torch.get_num_threads()}))
 
 
-def run_script(folder: Path, name: str) -> float:
+def run_script(folder: Path, name: str, torch_first: bool = False) -> float:
+    env = dict(ENV, SMALL_NETS_TORCH_FIRST="1") if torch_first else ENV
     out = subprocess.run([sys.executable, __file__, "--worker", name, "--folder", str(folder)],
-                         capture_output=True, text=True, env=ENV, check=True)
+                         capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["per_step_s"]
 
 
@@ -249,7 +254,10 @@ def main() -> None:
                 n = Neighbour(cond, folder, name)
                 try:
                     loads.append(load())
-                    got[cond] = (run_script if path == "pycaffe" else run_cli)(folder, name)
+                    if path == "cli":
+                        got[cond] = run_cli(folder, name)
+                    else:
+                        got[cond] = run_script(folder, name, torch_first=path == "torch1st")
                 finally:
                     n.close()
             vals = "".join(f"{got[c] * SCALE[unit]:>12.4g}" for c in conditions)

@@ -16,9 +16,12 @@ import sys as _sys  # noqa: E402
 
 # Idle OpenMP threads sleep instead of spinning on cores a neighbour needs (brewnet/threads.py);
 # libgomp reads this once, when torch loads it, so it is set before brewnet imports torch.
+_spinning = "torch" in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ
 if "torch" not in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
+from . import threads as _threads  # noqa: E402
+_threads.SPINNING = _spinning     # torch came first: libgomp spins while its threads wait
 from . import layers  # noqa: E402  (also NetSpec's L: layers.Convolution(...))
 from .data import layers as _data_layers  # noqa: E402,F401  (registers Data, ImageData, HDF5Data...)
 from .deploy import to_torch  # noqa: E402

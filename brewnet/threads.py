@@ -17,8 +17,13 @@ The policy, for a Solver's training net (``Solver``) and a pycaffe ``Net``'s for
   back to one thread and goes back when the core is free again.
 - **Passive waiting.** ``import brewnet`` before torch sets ``OMP_WAIT_POLICY=PASSIVE``
   (``brewnet/__init__.py``) unless the variable is set at all (even empty): idle OpenMP threads
-  then sleep instead of spinning on the cores a neighbour (or another brewnet process) needs. libgomp reads it once, when torch loads it, so a script
-  that imports torch first keeps the spinning default (the timing above still protects it).
+  then sleep instead of spinning on the cores a neighbour (or another brewnet process) needs.
+  libgomp reads it once, when torch loads it, so a script that imports torch first keeps the
+  spinning default: the timing above protects inference; **training then runs on one
+  thread** (logged once), since a spinning team of two took 3-10x longer per LeNet step than
+  one thread beside a busy neighbour (measured on 2 cores) and training's count cannot follow
+  timings. Importing brewnet first, ``OMP_WAIT_POLICY=PASSIVE`` or ``BREWNET_THREADS=N`` give
+  training the cores again.
 - **Override.** ``BREWNET_THREADS=N`` fixes N threads and turns the timing off, as does
   ``OMP_NUM_THREADS`` or a ``torch.set_num_threads`` call by the user after brewnet was imported:
   brewnet never changes a thread count it did not set.
@@ -40,6 +45,8 @@ WARMUP = 3             # calls before the first timing (allocator, oneDNN primit
 RECHECK_S = 10.0
 ADAPTIVE = "adaptive"   # BREWNET_THREADS=adaptive: timed choice in training as well
 _initial = torch.get_num_threads()      # torch's count when brewnet was imported
+SPINNING = False       # set by brewnet/__init__.py: torch was loaded before brewnet, policy unset
+_warned: list[bool] = []
 _ours: list[int] = []                   # the last count brewnet set
 
 
@@ -132,6 +139,14 @@ class Tuner:
         self.tiny = largest_op_flops(net) < TINY_FLOPS
         self.calls = 0
         self.choice = 1 if self.tiny else ceiling()
+        if not self.timed and SPINNING and self.choice > 1 and user_threads() is None:
+            self.choice = 1
+            if not _warned:
+                _warned.append(True)
+                log.warning("torch was imported before brewnet, so OpenMP's threads spin while "
+                            "they wait and a busy neighbour stalls every step: training runs on "
+                            "one thread. Import brewnet first, or set OMP_WAIT_POLICY=PASSIVE "
+                            "(or BREWNET_THREADS=N), to train on the cores.")
         self._trial: list = []            # [(threads, [seconds...])] blocks being compared
         self._best_s = None               # median per call when the choice was made
         self._recent: list[float] = []

@@ -10,6 +10,13 @@ from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import parse_text
 
 
+@pytest.fixture(autouse=True)
+def _passive(monkeypatch):
+    """These tests are of the size rule and the timing; whether this test process loaded torch
+    before brewnet (one thread for training) is tested in a fresh process below."""
+    monkeypatch.setattr(threads, "SPINNING", False)
+
+
 def parse_net_text(text):
     return parse_text(text, pb.NetParameter())
 
@@ -145,3 +152,49 @@ def test_pycaffe_forward_plans_threads():
     net = brewnet.Net(parse_net_text(LOGREG), brewnet.TEST)
     net.forward()
     assert torch.get_num_threads() == 1
+
+
+SPIN_SCRIPT = """
+import logging, sys{first}
+import brewnet
+from brewnet.proto import caffe_pb2 as pb
+from brewnet.proto.io import parse_text
+from brewnet.solvers import SOLVERS
+import torch
+logging.basicConfig(stream=sys.stdout, level=logging.WARNING)
+p = parse_text('''type: "SGD" base_lr: 0.01 lr_policy: "fixed" max_iter: 10 display: 0 solver_mode: CPU
+net_param {{ layer {{ name: "d" type: "Input" top: "data" top: "label"
+  input_param {{ shape {{ dim: 8 dim: 1 dim: 28 dim: 28 }} shape {{ dim: 8 }} }} }}
+layer {{ name: "c" type: "Convolution" bottom: "data" top: "c"
+  convolution_param {{ num_output: 20 kernel_size: 5 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "ip" type: "InnerProduct" bottom: "c" top: "ip" inner_product_param {{ num_output: 10 }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }} }}''',
+               pb.SolverParameter())
+s = SOLVERS["SGD"](p)
+s.step(2)
+print("threads", torch.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(threads.usable_cores() < 2, reason="needs 2 cores to tell 1 thread from many")
+@pytest.mark.parametrize("first, policy, expect", [("", None, "cores"),
+                                                   ("\nimport torch", None, "one"),
+                                                   ("\nimport torch", "PASSIVE", "cores")])
+def test_training_after_torch_was_imported_first_uses_one_thread(first, policy, expect):
+    """libgomp fixes its wait policy when torch loads it: imported before brewnet (without
+    OMP_WAIT_POLICY) its threads spin, so training keeps to one thread and says why."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "BREWNET_THREADS")}
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    out = subprocess.run([sys.executable, "-c", SPIN_SCRIPT.format(first=first)], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    n = int(out.split("threads")[-1])
+    if expect == "one":
+        assert n == 1 and "torch was imported before brewnet" in out
+    else:
+        assert n == threads.usable_cores() and "imported before brewnet" not in out
