@@ -76,7 +76,7 @@ def test_workers_share_the_port_and_the_metrics(server):
     """Connections reach every worker, and /metrics (from whichever answers) counts them all."""
     url, _ = server
     workers = 2 if "2-workers" in os.environ.get("PYTEST_CURRENT_TEST", "") else 1
-    pids, deadline = set(), time.monotonic() + 120     # a worker may still be loading its net
+    pids, deadline = set(), time.monotonic() + 300     # a worker may still be loading its net
     while len(pids) < workers and time.monotonic() < deadline:
         pids |= {httpx.get(url + "/healthz").json()["pid"] for _ in range(20)}  # a connection each
     before = httpx.get(url + "/metrics").text
