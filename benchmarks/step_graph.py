@@ -1,15 +1,14 @@
 """The step graph (brewnet/solvers/step_graph.py) against the eager step.
 
-    python benchmarks/step_graph.py [--nets logreg,ip,lenet] [--rounds 3] [--compile]
+    python benchmarks/step_graph.py [--nets logreg,ip,lenet] [--rounds 3]
 
 For each of small_nets.py's workloads (brewing-logreg batch 10 from HDF5; the single
 InnerProduct on MNIST LMDB batch 100; LeNet batch 64), a pycaffe script process per mode
-(``BREWNET_STEP_GRAPH=0`` eager, ``=1`` the recorded graph, ``--compile``: ``=compile``)
+(``BREWNET_STEP_GRAPH=0`` eager, ``=1`` the recorded graph)
 warms up, then times ``solver.step(n)`` three times; the modes' processes alternate for
 ``--rounds`` rounds and the median over rounds of each process's fastest call is printed, as
 CPU and wall time per step (in one process side by side, the two solvers slowed each other
-unevenly). "first s" is the warm-up call, which holds the capture (trace and check) or the
-compile. Every process trains the same number of iterations from the same seed: "bitwise" says
+unevenly). "first s" is the warm-up call, which holds the capture (trace and check). Every process trains the same number of iterations from the same seed: "bitwise" says
 whether its final params equal the eager process's.
 """
 from __future__ import annotations
@@ -28,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import small_nets  # noqa: E402
 
 STEPS = {"logreg": 1000, "ip": 200, "lenet": 10}
-WARM = 250          # the warm-up call: long enough for the default and compile modes to capture
-LABEL = {"0": "eager", "1": "graph", "compile": "compiled"}
+WARM = 250          # the warm-up call (it holds the capture)
+LABEL = {"0": "eager", "1": "graph"}
 
 
 def worker(folder: str, name: str) -> None:
@@ -64,7 +63,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nets", default="logreg,ip,lenet")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--compile", action="store_true")
     ap.add_argument("--worker")
     ap.add_argument("--folder")
     a = ap.parse_args()
@@ -72,7 +70,7 @@ def main() -> None:
         return worker(a.folder, a.worker)
     import numpy as np
 
-    modes = ["0", "1"] + (["compile"] if a.compile else [])
+    modes = ["0", "1"]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         small_nets.write_workloads(folder)

@@ -8,8 +8,8 @@ straight-line list. The ops, their order and their arguments are the ones the ea
 runs, so the loss, every top and every gradient are the same bits (checked: the capture
 iteration runs both and compares them; any difference drops back to the eager step, logged).
 Measured (benchmarks/step_graph.py, a process per mode, 2-core CPU): the brewing-logreg
-step 1.76x less CPU (826 -> 470 us), the single-InnerProduct MNIST step 1.15x (its LMDB batch
-dominates); on LeNet the kernels dominate.
+step 1.8-3.2x less CPU (1016 -> 315 us in the quietest run), the single-InnerProduct MNIST
+step 1.15x (its LMDB batch dominates); on LeNet the kernels dominate.
 
 What stays outside the graph, run eagerly each iteration:
 - layers without bottoms (data layers, Input, Python data layers): their tops are the
@@ -27,8 +27,10 @@ trace that fails. A replay is keyed on the input shapes and the identity of ever
 tensor, so reshapes, ``copy_from`` and net surgery re-trace or fall back.
 ``BREWNET_STEP_GRAPH=0`` turns it off; ``=1`` captures at the first iteration of any run
 (tests); by default it captures when a ``step``/``solve`` has at least ``MIN_ITERS`` left (or
-the solver has run that many in short calls); ``=compile`` also hands the graph to
-torch.compile (not bit for bit: see ``_compile``).
+the solver has run that many in short calls). torch.compile (inductor) over the same graph
+was tried and dropped: on brewing-logreg it gave 309 against the replay's 315 us a step (the
+forward-backward is no longer where the step's time goes) after a 4-20 s compile, and its
+kernels round differently.
 """
 from __future__ import annotations
 
@@ -241,36 +243,7 @@ class StepGraph:
             return False
         log.info("Net '%s': forward and backward replayed as one recorded graph (%d ops)",
                  net.name, sum(n.op == "call_function" for n in self.gm.graph.nodes))
-        if mode() == "compile":
-            self._compile(xs)
         return True
-
-    def _compile(self, xs) -> None:
-        """``BREWNET_STEP_GRAPH=compile``: the recorded graph through torch.compile (inductor
-        fuses its ops into a few C++ kernels). Its kernels sum in their own order, so numbers
-        agree with the eager step to float32 rounding (checked here at 1e-5 relative), not bit
-        for bit; the compile takes 10-20 s on a 2-core CPU."""
-        import time
-
-        recorded, tic = self.gm, time.perf_counter()
-        try:
-            self.gm = torch.compile(recorded, dynamic=False, fullgraph=True)
-            with torch.no_grad():
-                got, want = self.gm(*xs), recorded(*xs)
-        except Exception as e:
-            log.warning("step graph: torch.compile failed (%s: %s); the recorded graph is used",
-                        type(e).__name__, e)
-            self.gm = recorded
-            return
-        for a, b in zip(got, want):
-            scale = float(b.abs().max()) if b.numel() and b.is_floating_point() else 0.0
-            if a.is_floating_point() and not torch.allclose(a, b, rtol=1e-5, atol=1e-6 * scale,
-                                                            equal_nan=True):
-                log.warning("step graph: the compiled step differs from the recorded one beyond "
-                            "1e-5; the recorded graph is used")
-                self.gm = recorded
-                return
-        log.info("Net '%s': step graph compiled in %.1f s", self.net.name, time.perf_counter() - tic)
 
     def _traced(self, *xs):
         net = self.net
