@@ -19,7 +19,7 @@ What stays outside the graph, run eagerly each iteration:
 - the solver's update (its rate changes every iteration under most lr policies).
 A TRAIN top nothing in the step needs (an Accuracy) is split off and computed when first read
 (``Blob._pending``), from values the step saved. Replayed ops go through torch's Python
-bindings rather than ``OpOverload`` (``_unbox``).
+bindings rather than ``OpOverload`` (``graph_ops.unbox``).
 Refused (the eager step, with the reason at debug level): a layer type outside ``PURE`` or a
 plugin's class (they may draw random numbers, keep state or branch on values), iter_size > 1,
 force_backward, a net not on the CPU, a blob someone holds a numpy view of at capture, or a
@@ -40,6 +40,8 @@ import threading
 from contextlib import contextmanager
 
 import torch
+
+from .graph_ops import split_side_tops, unbox
 
 log = logging.getLogger("brewnet")
 _TRACE_LOCK = threading.Lock()   # make_fx keeps some state per process: one trace at a time
@@ -224,12 +226,12 @@ class StepGraph:
         gm.recompile()
         self.gm, self.key = gm, self._key(xs)
         self.side = None
-        split = _split(gm, len(self.tops))
+        split = split_side_tops(gm, len(self.tops))
         if split is not None:
             self.gm, self.side, idx = split
             self.side_tops = [self.tops[i] for i in idx]
-            _unbox(self.side)
-        _unbox(self.gm)
+            unbox(self.side)
+        unbox(self.gm)
         loss, tops, grads = self._values(xs)
         e_loss, e_tops, e_grads = eager
         same = (_same(loss, e_loss) and tops.keys() == e_tops.keys()
@@ -330,93 +332,3 @@ class StepGraph:
                 p.grad = g
         net._ran, net._fed = {}, {}
         return loss
-
-
-# -- splitting off the side tops ------------------------------------------------------------
-def _base(node, memo):
-    """The node whose memory ``node`` views (itself if it is not a view op)."""
-    if node not in memo:
-        schema = getattr(node.target, "_schema", None)
-        ret = schema.returns[0].alias_info if schema is not None and schema.returns else None
-        view = node.op == "call_function" and ret is not None and not ret.is_write
-        memo[node] = _base(node.args[0], memo) if view else node
-    return memo[node]
-
-
-def _writes(node):
-    """The argument nodes an op writes into (in-place and out= ops)."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None:
-        return []
-    return [a for a, arg in zip(node.args, schema.arguments)
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a, torch.fx.Node)]
-
-
-def _split(gm, n_tops: int):
-    """(core graph, side graph, side top names) when some tops feed neither the loss nor a
-    gradient and can be computed later from values the core outputs; None otherwise (a side
-    value that reads a param, or memory some op writes, must be computed in the step)."""
-    from torch.fx import Graph, GraphModule
-
-    graph = gm.graph
-    out_node = next(n for n in graph.nodes if n.op == "output")
-    outs = list(out_node.args[0])
-    loss, tops, grads = outs[0], outs[1:1 + n_tops], outs[1 + n_tops:]
-
-    def ancestors(roots):
-        seen, todo = set(), [r for r in roots if isinstance(r, torch.fx.Node)]
-        while todo:
-            n = todo.pop()
-            if n not in seen:
-                seen.add(n)
-                todo += n.all_input_nodes
-        return seen
-
-    core = ancestors([loss, *grads])
-    side_idx = [i for i, t in enumerate(tops) if t not in core]
-    if not side_idx:
-        return None
-    core |= ancestors([t for i, t in enumerate(tops) if i not in side_idx])
-    side = ancestors([tops[i] for i in side_idx]) - core
-    if any(n.op == "get_attr" for n in side):
-        return None
-    cut = [n for n in graph.nodes if n in core and any(u in side for u in n.users)]
-    if any(n.op == "get_attr" for n in cut):
-        return None
-    memo: dict = {}
-    cut_bases = {_base(n, memo) for n in cut}
-    written = {_base(a, memo) for n in graph.nodes if n.op != "output" for a in _writes(n)}
-    if cut_bases & written:
-        return None
-    core_g, env = Graph(), {}
-    for n in graph.nodes:
-        if n in core:
-            env[n] = core_g.node_copy(n, lambda a: env[a])
-    keep = [t for i, t in enumerate(tops) if i not in side_idx]
-    core_g.output(tuple(env[x] for x in [loss, *keep, *grads, *cut]))
-    side_g, senv = Graph(), {}
-    for n in cut:
-        senv[n] = side_g.placeholder(n.name)
-    for n in graph.nodes:
-        if n in side:
-            senv[n] = side_g.node_copy(n, lambda a: senv[a])
-    side_g.output(tuple(senv[tops[i]] for i in side_idx))
-    return (GraphModule(gm, core_g), GraphModule(gm, side_g), side_idx)
-
-
-def _unbox(gm) -> None:
-    """Call each recorded aten op through torch's Python binding of the same name (``torch.mm``,
-    ``Tensor.view``): the binding dispatches straight to the kernel, where ``OpOverload``'s
-    boxed call packs and unpacks an argument stack (measured: 1.6x faster on logreg's graph).
-    The binding picks the overload from the same arguments; the capture's bitwise check
-    covers the result. Ops without a binding keep the overload."""
-    from torch._ops import OpOverload
-
-    for node in gm.graph.nodes:
-        op = node.target
-        if node.op == "call_function" and isinstance(op, OpOverload) and op.namespace == "aten":
-            name = op._schema.name.split("::")[1]
-            fn = getattr(torch, name, None) or getattr(torch.Tensor, name, None)
-            if fn is not None:
-                node.target = fn
-    gm.recompile()
