@@ -18,7 +18,10 @@ that differ only in their random seed are trained each way:
 resident memory of the mode's processes, summed over processes. The data is MNIST t10k from
 ``../shared`` converted to an LMDB once (in a temp folder). Every mode trains with torch's
 default threads, as a user's run would (``--threads N`` sets OMP_NUM_THREADS for every process
-instead); the machine may be shared, so compare within one run.
+instead); the machine may be shared, so compare within one run. The workers inherit the
+environment: ``BREWNET_STEP_GRAPH=1`` measures the step a long run gets (a solver replays its
+recorded forward-backward once 5000 iterations are ahead, brewnet/solvers/step_graph.py; the
+fused engine has its own step).
 """
 from __future__ import annotations
 

@@ -216,7 +216,8 @@ class StepGraph:
             if not idx:
                 log.debug("step graph: layer '%s' checks labels computed inside the net", layer.name)
                 return False
-            self.checks.append((layer, idx[0], k, ignore))
+            if not any(c[1:] == (idx[0], k, ignore) for c in self.checks):
+                self.checks.append((layer, idx[0], k, ignore))   # Accuracy and loss: one check
         self._proxies = []
         for node in list(gm.graph.nodes):       # no autograd at replay: detach is a no-op
             if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
