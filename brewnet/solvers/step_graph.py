@@ -112,6 +112,7 @@ class StepGraph:
         self.tops: list[str] = []           # blobs the graph's forward writes, in output order
         self._proxies: list = []
         self.side, self.side_tops = None, []
+        self._core_tops: list[str] = []
 
     def forward_backward(self, may_capture: bool) -> torch.Tensor:
         """The weighted loss; param ``.grad`` set as the eager backward sets them."""
@@ -226,13 +227,14 @@ class StepGraph:
         gm.graph.eliminate_dead_code()
         gm.recompile()
         self.gm, self.key = gm, self._key(xs)
-        self.side = None
+        self.side, self.side_tops = None, []
         split = split_side_tops(gm, len(self.tops))
         if split is not None:
             self.gm, self.side, idx = split
             self.side_tops = [self.tops[i] for i in idx]
             unbox(self.side)
         unbox(self.gm)
+        self._core_tops = [t for t in self.tops if t not in self.side_tops]
         loss, tops, grads = self._values(xs)
         e_loss, e_tops, e_grads = eager
         same = (_same(loss, e_loss) and tops.keys() == e_tops.keys()
@@ -273,21 +275,25 @@ class StepGraph:
         from ..layers.loss import check_labels
         for layer, j, k, ignore in self.checks:
             check_labels(layer, xs[j], k, ignore)
-        with torch.no_grad():
-            out = self.gm(*xs)
-        core = [t for t in self.tops if self.side is None or t not in self.side_tops]
-        loss, n = out[0], len(core)
-        tops = dict(zip(core, out[1:1 + n]))
-        it = iter(out[1 + n:])
-        grads = [next(it) if h else None for h in self.has_grad]
-        if self.side is not None:
-            cut = list(it)
-            if lazy:
-                self._mark_stale(cut)
-            else:
-                with torch.no_grad():
-                    tops.update(zip(self.side_tops, self.side(*cut)))
-        return loss, tops, grads
+        core = self._core_tops
+        grad_mode = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        try:
+            out = self.gm.forward(*xs)       # not Module.__call__: no hooks to look for
+            n = len(core)
+            tops = dict(zip(core, out[1:1 + n]))
+            grads, i = [], 1 + n
+            for h in self.has_grad:
+                grads.append(out[i] if h else None)
+                i += h
+            if self.side is not None:
+                if lazy:
+                    self._mark_stale(out[i:])
+                else:
+                    tops.update(zip(self.side_tops, self.side.forward(*out[i:])))
+        finally:
+            torch.set_grad_enabled(grad_mode)
+        return out[0], tops, grads
 
     def _mark_stale(self, cut) -> None:
         """Side tops computed when first read (Blob._pending), from the values saved now; a
