@@ -182,8 +182,12 @@ def _lmdb_errors(path: str, key=None):
     try:
         yield
     except lmdb.Error as e:
-        where = "" if key is None else f" (after record {_show(key)})"
-        raise DBError(f"{path}: the LMDB is damaged{where}: {type(e).__name__}: {e}") from None
+        raise _damaged(path, key, e) from None
+
+
+def _damaged(path: str, key, e: BaseException) -> DBError:
+    where = "" if key is None else f" (after record {_show(key)})"
+    return DBError(f"{path}: the LMDB is damaged{where}: {type(e).__name__}: {e}")
 
 
 class _LmdbIter:
@@ -209,6 +213,26 @@ class _LmdbIter:
         with _lmdb_errors(self.path, self.key):
             return self.cur.set_key(key)
 
+    def take(self, n: int) -> tuple[list, list, int]:
+        """The next ``n`` keys and values from the current record on (wrapping), and the number
+        of wraps. One error scope for them all: per record it cost more than the read."""
+        import lmdb
+
+        keys, values, wraps = [], [], 0
+        item, step, first = self.cur.item, self.cur.next, self.cur.first
+        try:
+            for _ in range(n):
+                k, v = item()
+                keys.append(k)
+                values.append(v)
+                if not step():
+                    first()
+                    wraps += 1
+        except lmdb.Error as e:
+            raise _damaged(self.path, keys[-1] if keys else self.key, e) from None
+        self.key = keys[-1] if keys else self.key
+        return keys, values, wraps
+
 
 class Cursor:
     """Walks the records in key order and wraps around at the end (``epochs`` counts wraps).
@@ -230,6 +254,12 @@ class Cursor:
         item = self._it.item()
         self.advance()
         return item
+
+    def take(self, n: int) -> tuple[list, list]:
+        """The keys and values of the next ``n`` records, advancing past them (a batch)."""
+        keys, values, wraps = self._it.take(n)
+        self.epochs += wraps
+        return keys, values
 
     def advance(self, n: int = 1) -> None:
         """Move ``n`` records on without reading their values (a worker skipping other shards)."""
@@ -368,6 +398,17 @@ class _LevelIter:
 
     def item(self) -> tuple[bytes, bytes]:
         return self._item
+
+    def take(self, n: int) -> tuple[list, list, int]:
+        keys, values, wraps = [], [], 0
+        for _ in range(n):
+            k, v = self._item
+            keys.append(k)
+            values.append(v)
+            if not self.next():
+                self.first()
+                wraps += 1
+        return keys, values, wraps
 
 
 class LevelDBWriter:

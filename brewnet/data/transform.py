@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from ..proto import caffe_pb2 as pb
 
@@ -210,6 +211,8 @@ class DataTransformer:
         same = bool((hs == hs[0]).all() and (ws == ws[0]).all())
         if same and isinstance(images, np.ndarray):
             x = images[:, :, hs[0]:hs[0] + h, ws[0]:ws[0] + w]
+        elif isinstance(images, np.ndarray):       # every item's crop in one gather
+            x = sliding_window_view(images, (h, w), axis=(2, 3))[np.arange(n), :, hs, ws]
         else:
             # One dtype for the batch that holds every item: a float_data Datum after a byte
             # one keeps its floats (Caffe transforms each Datum on its own).
@@ -220,7 +223,8 @@ class DataTransformer:
             if same:
                 mean = self.mean[:, hs[0]:hs[0] + h, ws[0]:ws[0] + w]
             else:
-                mean = np.stack([self.mean[:, a:a + h, b:b + w] for a, b in zip(hs, ws)])
+                mean = sliding_window_view(self.mean, (h, w), axis=(1, 2))[:, hs, ws]
+                mean = mean.transpose(1, 0, 2, 3)      # (C, N, h, w) -> (N, C, h, w)
             np.subtract(x, mean, out=out, dtype=np.float32)
         elif len(self.mean_values):
             np.subtract(x, self.mean_values.reshape(-1, 1, 1), out=out, dtype=np.float32)
