@@ -42,12 +42,12 @@ def raw_batch(values: list, layout) -> tuple[np.ndarray, np.ndarray] | None:
     of ``layout`` (from ``raw_layout``), else None. Records of one length (one label width)
     come back as a view of their joined bytes; several lengths, as a copy."""
     head, n = layout
+    lens = set(map(len, values))
+    if len(lens) == 1:
+        return _group(b"".join(values), len(values), lens.pop(), head, n)
     lens = np.fromiter(map(len, values), np.int64, len(values))
-    groups = np.unique(lens)
-    if len(groups) == 1:
-        return _group(b"".join(values), len(values), int(groups[0]), head, n)
     pixels, labels = np.empty((len(values), n), np.uint8), np.empty(len(values), np.float32)
-    for length in groups:
+    for length in np.unique(lens):
         idx = np.flatnonzero(lens == length)
         got = _group(b"".join([values[i] for i in idx]), len(idx), int(length), head, n)
         if got is None:
@@ -68,7 +68,11 @@ def _group(buf: bytes, count: int, length: int, head: np.ndarray, n: int):
     if tail == 0:
         return rows[:, h:h + n], np.zeros(count, np.float32)
     t = rows[:, h + n:]
-    if not ((t[:, 0] == _LABEL_TAG).all() and (t[:, 1:-1] >= 0x80).all() and (t[:, -1] < 0x80).all()):
+    if not ((t[:, 0] == _LABEL_TAG).all() and (t[:, -1] < 0x80).all()):
+        return None
+    if tail == 2:                    # labels 0..127: the varint is the value
+        return rows[:, h:h + n], t[:, 1].astype(np.float32)
+    if not (t[:, 1:-1] >= 0x80).all():
         return None
     label = np.zeros(count, np.int64)
     for j in range(tail - 1):        # little-endian groups of 7 bits

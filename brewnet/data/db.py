@@ -2,12 +2,15 @@
 
 ``open_db(path)`` gives a read-only database whose ``cursor()`` walks the records in key order
 and wraps around at the end, as Caffe's ``DataLayer`` does; every cursor has its own read
-transaction, so several nets reading one source each keep their own position. ``open_writer``
+transaction (a snapshot), so several nets reading one source each keep their own position. A
+small LMDB (``MEMORY_BYTES``) is read into memory when a cursor opens it, and ``take(n)`` hands
+a batch's records over as two list slices. ``open_writer``
 gives a writer that commits every 1000 records (Caffe's converters) and grows the LMDB map
 as needed. Records are raw bytes; ``decode_datum`` parses a serialized ``Datum``.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
@@ -160,7 +163,11 @@ class LMDB:
     def cursor(self) -> "Cursor":
         with _lmdb_errors(self.path):
             txn = self._env.env.begin(buffers=False)
+            st = self._env.env.stat()
+            pages = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        if pages * st["psize"] > MEMORY_BYTES:
             return Cursor(self, _LmdbIter(txn, self.path))
+        return Cursor(self, _MemIter(_records(self.path, txn)))
 
     def get(self, key: bytes) -> bytes | None:
         with _lmdb_errors(self.path, key), self._env.env.begin() as txn:
@@ -188,6 +195,78 @@ def _lmdb_errors(path: str, key=None):
 def _damaged(path: str, key, e: BaseException) -> DBError:
     where = "" if key is None else f" (after record {_show(key)})"
     return DBError(f"{path}: the LMDB is damaged{where}: {type(e).__name__}: {e}")
+
+
+# A cursor on an LMDB of up to this many bytes reads it into memory once (its read transaction
+# is a snapshot, so nothing is lost): in Python a record costs ~1 us to fetch, a batch of 100
+# more than a tiny net's whole step; from memory a batch is a slice. Cursors on one snapshot
+# share the copy.
+MEMORY_BYTES = 64 << 20
+_RECORDS: "weakref.WeakValueDictionary[tuple, _Records]" = weakref.WeakValueDictionary()
+
+
+class _Records:
+    """Every key and value of one LMDB snapshot, in key order."""
+
+    def __init__(self, txn, path: str):
+        import lmdb
+
+        self.keys, self.values = [], []
+        try:
+            for k, v in txn.cursor().iternext():
+                self.keys.append(k)
+                self.values.append(v)
+        except lmdb.Error as e:
+            raise _damaged(path, self.keys[-1] if self.keys else None, e) from None
+
+
+def _records(path: str, txn) -> _Records:
+    key = (os.path.realpath(path), txn.id())
+    with _ENVS_LOCK:
+        records = _RECORDS.get(key)
+        if records is None:
+            records = _RECORDS[key] = _Records(txn, path)
+    txn.abort()                  # the copy is the snapshot; free the reader slot
+    return records
+
+
+class _MemIter:
+    """A position in records held in memory (``_Records``)."""
+
+    def __init__(self, records: _Records):
+        self.records, self.i = records, 0
+
+    def first(self) -> bool:
+        self.i = 0
+        return bool(self.records.keys)
+
+    def next(self) -> bool:
+        self.i += 1
+        return self.i < len(self.records.keys)
+
+    def item(self) -> tuple[bytes, bytes]:
+        return self.records.keys[self.i], self.records.values[self.i]
+
+    def seek(self, key: bytes) -> bool:
+        keys = self.records.keys
+        i = bisect.bisect_left(keys, key)      # LMDB's order: bytewise, as Python's
+        if i < len(keys) and keys[i] == key:
+            self.i = i
+            return True
+        return False
+
+    def take(self, n: int) -> tuple[list, list, int]:
+        keys, values = self.records.keys, self.records.values
+        out_k, out_v, wraps, i = [], [], 0, self.i
+        while n > 0:
+            m = min(n, len(keys) - i)
+            out_k += keys[i:i + m]
+            out_v += values[i:i + m]
+            i, n = i + m, n - m
+            if i == len(keys):
+                i, wraps = 0, wraps + 1
+        self.i = i
+        return out_k, out_v, wraps
 
 
 class _LmdbIter:
