@@ -212,6 +212,7 @@ class _Records:
         import lmdb
 
         self.keys, self.values = [], []
+        self.derived: dict = {}
         try:
             for k, v in txn.cursor().iternext():
                 self.keys.append(k)
@@ -334,11 +335,14 @@ class Cursor:
         self.advance()
         return item
 
-    def take(self, n: int) -> tuple[list, list]:
-        """The keys and values of the next ``n`` records, advancing past them (a batch)."""
+    def take(self, n: int) -> tuple[list, list, tuple | None]:
+        """The keys and values of the next ``n`` records, advancing past them (a batch), and
+        where they lie in a database held in memory: (its records, the first's index), else
+        None (a reader may keep arrays made once from ``records.values`` in ``records.derived``)."""
+        where = (self._it.records, self._it.i) if isinstance(self._it, _MemIter) else None
         keys, values, wraps = self._it.take(n)
         self.epochs += wraps
-        return keys, values
+        return keys, values, where
 
     def advance(self, n: int = 1) -> None:
         """Move ``n`` records on without reading their values (a worker skipping other shards)."""

@@ -56,8 +56,9 @@ class _DatumLoader(Loader):
         self.cursor.seek(key)
         self.cursor.epochs = epochs
 
-    def _read(self) -> tuple[list, list]:
-        """The keys and values of the batch's records (this worker's share of them)."""
+    def _read(self) -> tuple[list, list, tuple | None]:
+        """The keys and values of the batch's records (this worker's share of them), and where
+        they lie in memory (``Cursor.take``)."""
         if self.count == 1:
             self.offset += self.batch_size
             return self.cursor.take(self.batch_size)
@@ -70,14 +71,14 @@ class _DatumLoader(Loader):
             key, value = self.cursor.next()
             keys.append(key)
             values.append(value)
-        return keys, values
+        return keys, values, None
 
     def next_batch(self):
-        keys, values = self._read()
+        keys, values, where = self._read()
         first = decode_datum(values[0], keys[0], self.source)
         img = self.tf.image(first, keys[0], self.source)
         layout = raw_layout(first)
-        raw = raw_batch(values, layout) if layout is not None else None
+        raw = raw_batch(values, layout, where) if layout is not None else None
         if raw is not None:             # raw byte records: one array, no Datum per record
             images, labels = raw[0].reshape((len(values),) + img.shape), raw[1]
         else:
