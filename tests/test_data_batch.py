@@ -1,7 +1,8 @@
-"""The Data layer's batch path (records read per batch, raw Datums read as one array, the
-transform on the whole batch) against a record-by-record reference: Caffe's transform applied
+"""The data layers' batch paths. Data (records read per batch, raw Datums read as one array,
+the transform on the whole batch): against a record-by-record reference: Caffe's transform applied
 to one protobuf-parsed Datum at a time, with the random choices drawn as the layer draws them
-(every crop row, then every crop column, then every mirror flip of the batch)."""
+(every crop row, then every crop column, then every mirror flip of the batch). HDF5Data:
+batches of any size make the same row stream as batches of one."""
 from __future__ import annotations
 
 import cv2
@@ -18,6 +19,8 @@ from brewnet.data.transform import datum_to_chw
 from brewnet.layers import LayerError
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import read_binaryproto, write_binaryproto
+
+from helpers import make_layer
 
 C, H, W = 3, 8, 10
 LABELS = [0, 1, 127, 128, 300, 16383, 16384, 70000, 5, 9, 2 ** 31 - 1]   # 1 to 5 varint bytes
@@ -209,3 +212,46 @@ def test_a_corrupt_record_mid_batch_names_db_and_key(tmp_path):
     with pytest.raises(LayerError, match="record '00000001' \\(item 1 of the batch\\) has shape "
                                          "\\(3, 10, 8\\), the batch's first has \\(3, 8, 10\\)"):
         _net(_write(tmp_path / "db3", swapped), 2, data="prefetch: 0").forward()
+
+
+# -- HDF5Data: batches inside a file in one step, batches that wrap or change file row by row ----
+def _h5_rows(tmp_path, batch, shuffle, total=90, seed=7):
+    torch.manual_seed(seed)
+    layer, _ = make_layer(f'name: "h" type: "HDF5Data" top: "data" top: "label" hdf5_data_param '
+                          f'{{ source: "{tmp_path}/list.txt" batch_size: {batch} shuffle: {shuffle} }}', [])
+    data, labels = [], []
+    while len(labels) * batch < total:
+        d, l = layer.forward([])
+        assert d.dtype == torch.float32 and d.shape == (batch, 2, 3)
+        data.append(d.numpy())
+        labels.append(l.numpy())
+    return np.concatenate(data)[:total], np.concatenate(labels)[:total]
+
+
+@pytest.mark.parametrize("shuffle", ["false", "true"])
+def test_hdf5_batches_are_the_row_by_row_stream(tmp_path, shuffle, memory):
+    if memory == "streamed":
+        pytest.skip("no database")
+    import h5py
+
+    sizes, row = (5, 8, 13), 0
+    for k, n in enumerate(sizes):
+        with h5py.File(tmp_path / f"f{k}.h5", "w") as f:      # row r: label r, data r + 0..5
+            f["label"] = np.arange(row, row + n, dtype=np.float64)
+            f["data"] = (np.arange(row, row + n)[:, None, None] + np.arange(6).reshape(1, 2, 3)).astype(np.float32)
+        row += n
+    (tmp_path / "list.txt").write_text("".join(f"f{k}.h5\n" for k in range(3)))
+    one, one_labels = _h5_rows(tmp_path, 1, shuffle)
+    np.testing.assert_array_equal(one, one_labels[:, None, None] + np.arange(6, dtype=np.float32).reshape(1, 2, 3))
+    if shuffle == "false":        # file order, row order, wrapping
+        np.testing.assert_array_equal(one_labels, np.arange(90) % 26)
+    else:                         # each epoch: every row once
+        assert sorted(one_labels[:26]) == list(range(26)) and list(one_labels[:26]) != list(range(26))
+    for batch in (3, 4, 8, 13, 30):
+        d, l = _h5_rows(tmp_path, batch, shuffle)
+        np.testing.assert_array_equal(d, one, strict=True)
+        np.testing.assert_array_equal(l, one_labels, strict=True)
+    layer, _ = make_layer(f'name: "h" type: "HDF5Data" top: "data" top: "label" hdf5_data_param '
+                          f'{{ source: "{tmp_path}/list.txt" batch_size: 2 }}', [])
+    d, _ = layer.to(dtype=torch.float64).forward([])
+    assert d.dtype == torch.float64
