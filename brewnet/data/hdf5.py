@@ -120,7 +120,7 @@ class HDF5Data(SourceLayer):
         n, row = self.batch_size, self.current_row
         if self.count == 1 and row + n < len(self.row_order):
             # inside the current file with a row left after it: nothing wraps, no file changes,
-            # so one take (a logistic regression's whole step is ~100 us of Python)
+            # so one fancy-index copy per top
             rows = self.row_order[row:row + n]
             self.current_row, self.offset = row + n, self.offset + n
             return self._tops([b[rows] for b in self.blobs_in_file])
