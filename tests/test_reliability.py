@@ -94,7 +94,7 @@ def test_dropping_a_net_joins_its_prefetch_thread(tmp_path):
     import threading
 
     db = write_lmdb(tmp_path / "db", [chw_to_datum(np.zeros((1, 2, 2), np.uint8), 0)] * 4)
-    net = Net(str(data_net(tmp_path, db)), brewnet.TEST)
+    net = Net(str(data_net(tmp_path, db, prefetch=2)), brewnet.TEST)
     net.forward()
     t = net.layer_list[0].prefetcher._thread
     assert t is not None and t.is_alive()

@@ -4,7 +4,7 @@ HDF5Data, HDF5Output and WindowData (R-CNN windows).
 Each layer owns a loader (its own cursor, file position, shuffling and transform RNG, so
 several nets reading one source never share a position) that makes host batches; Data,
 ImageData and WindowData run it in a background Prefetcher thread (``data_param.prefetch``
-batches ahead, 0: load in the forward pass). Tops are float32 on the CPU until the net calls
+batches ahead) or in the forward pass (0; unset: whichever ``source.py``'s timing picks). Tops are float32 on the CPU until the net calls
 ``to(device, dtype)``; on CUDA batches are built in pinned memory and copied non-blocking.
 Data tops have no backward. The loaders never reference the layer, so a dropped net stops
 its thread.
@@ -134,7 +134,7 @@ class Data(Prefetching):
             raise layer_error(self, e) from None
         self.db = db
         self.shapes = [(bs,) + item, (bs,)][:self.num_tops]
-        self.start_loader(_DatumLoader(cursor, p.source, bs, tf, self.num_tops == 2), p.prefetch)
+        self.start_loader(_DatumLoader(cursor, p.source, bs, tf, self.num_tops == 2), p)
 
     def reshape(self, bottom_shapes):
         return list(self.shapes)
@@ -228,7 +228,7 @@ class ImageData(Prefetching):
         except (OSError, TransformError) as e:
             raise layer_error(self, e) from None
         self.shapes = [(bs,) + item, (bs,)]
-        self.start_loader(loader, self.param.data_param.prefetch)
+        self.start_loader(loader, self.param.data_param)
 
     def reshape(self, bottom_shapes):
         return list(self.shapes)
