@@ -175,6 +175,17 @@ def test_rand_skip_and_prefetch_thread(dbs):
     assert starts <= set(range(9)) and len(starts) > 1
 
 
+@pytest.mark.parametrize("kind", ["raw", "odd", "enc"])
+def test_leveldb(dbs, kind, tmp_path, memory):
+    pytest.importorskip("plyvel")
+    if memory == "streamed":
+        pytest.skip("LevelDB is always read as it goes")
+    with open_writer(tmp_path / "ldb", backend="leveldb") as w:
+        for k, v in open_db(dbs[kind]).items():
+            w.put(k, v)
+    _check(tmp_path / "ldb", 7, "crop_size: 5 mirror: true scale: 0.5", rounds=7)
+
+
 def test_raw_batch_reads_only_what_protobuf_reads():
     rng = np.random.default_rng(0)
     base = _raw(rng, 1)[0]
