@@ -3,10 +3,10 @@
 ``open_db(path)`` gives a read-only database whose ``cursor()`` walks the records in key order
 and wraps around at the end, as Caffe's ``DataLayer`` does; every cursor has its own read
 transaction (a snapshot), so several nets reading one source each keep their own position. A
-small LMDB (``MEMORY_BYTES``) is read into memory when a cursor opens it, and ``take(n)`` hands
-a batch's records over as two list slices. ``open_writer``
-gives a writer that commits every 1000 records (Caffe's converters) and grows the LMDB map
-as needed. Records are raw bytes; ``decode_datum`` parses a serialized ``Datum``.
+small LMDB (``MEMORY_BYTES``) is read into memory when a cursor opens it; ``take(n)`` hands a
+batch's records over at once. ``open_writer`` gives a writer that commits every 1000 records
+(Caffe's converters) and grows the LMDB map as needed. Records are raw bytes;
+``decode_datum`` parses a serialized ``Datum``.
 """
 from __future__ import annotations
 
@@ -223,11 +223,13 @@ class _Records:
 
 def _records(path: str, txn) -> _Records:
     key = (os.path.realpath(path), txn.id())
-    with _ENVS_LOCK:
-        records = _RECORDS.get(key)
-        if records is None:
-            records = _RECORDS[key] = _Records(txn, path)
-    txn.abort()                  # the copy is the snapshot; free the reader slot
+    try:
+        with _ENVS_LOCK:
+            records = _RECORDS.get(key)
+            if records is None:
+                records = _RECORDS[key] = _Records(txn, path)
+    finally:
+        txn.abort()              # the copy is the snapshot; free the reader slot
     return records
 
 

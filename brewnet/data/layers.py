@@ -4,10 +4,10 @@ HDF5Data, HDF5Output and WindowData (R-CNN windows).
 Each layer owns a loader (its own cursor, file position, shuffling and transform RNG, so
 several nets reading one source never share a position) that makes host batches; Data,
 ImageData and WindowData run it in a background Prefetcher thread (``data_param.prefetch``
-batches ahead) or in the forward pass (0; unset: whichever ``source.py``'s timing picks). Tops are float32 on the CPU until the net calls
-``to(device, dtype)``; on CUDA batches are built in pinned memory and copied non-blocking.
-Data tops have no backward. The loaders never reference the layer, so a dropped net stops
-its thread.
+batches ahead) or in the forward pass (0; unset: as ``source.py``'s timing picks). Tops are
+float32 on the CPU until the net calls ``to(device, dtype)``; on CUDA batches are built in
+pinned memory and copied non-blocking. Data tops have no backward. The loaders never
+reference the layer, so a dropped net stops its thread.
 """
 from __future__ import annotations
 

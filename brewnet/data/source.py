@@ -68,7 +68,7 @@ class Prefetching(SourceLayer):
         self.prefetcher = None if self.auto or self.depth == 0 else \
             Prefetcher(loader, self.depth, name=self.name)
         self._timed = None         # (batches, their loading seconds, the first's end) while auto
-        self.wait_s = 0.0          # used when depth is 0 (loading inside forward)
+        self.wait_s = 0.0          # seconds spent loading inside forward (no thread)
         self.consumed_state = loader.state()    # where the batches served so far leave it
 
     def reposition(self, change) -> None:
