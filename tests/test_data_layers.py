@@ -159,7 +159,7 @@ def test_data_layer_through_net():
 
 def test_data_layer_wraps_and_prefetch_off_is_identical():
     ref = np.load(need(REF))["labels"]
-    a, b = data_net(batch=3000), data_net("prefetch: 0", batch=3000)
+    a, b = data_net("prefetch: 4", batch=3000), data_net("prefetch: 0", batch=3000)
     for k in range(4):                      # 12000 records: wraps after 10000
         la, lb = a.forward()["label"], b.forward()["label"]
         np.testing.assert_array_equal(la, lb)
@@ -295,7 +295,7 @@ def test_prefetch_thread_stops_when_net_is_dropped():
     import threading
 
     before = set(threading.enumerate())
-    net = data_net(batch=2)
+    net = data_net("prefetch: 2", batch=2)
     net.forward()
     (thread,) = [t for t in threading.enumerate() if t not in before and t.name == "brewnet-mnist"]
     del net
@@ -314,7 +314,40 @@ def test_plan_threads(monkeypatch):
     assert prefetch.plan_threads(2.5, apply=False) == 13
     monkeypatch.setattr(prefetch, "usable_cores", lambda: 1)
     assert prefetch.plan_threads(1, apply=False) == 1
-    net = data_net(batch=500)
+    net = data_net("prefetch: 4", batch=500)
     for _ in range(3):
         net.forward()
     assert 0 < prefetch.data_busy([net], 1.0) < 1.0
+
+
+def test_unset_prefetch_times_the_loading_then_chooses(monkeypatch):
+    from brewnet.data import source
+
+    def same(nets, batches):
+        ref = data_net("prefetch: 0", batch=50)
+        for i in range(batches):
+            want = ref.forward()
+            where = {k: v for k, v in ref.layer_list[0].cursor_state().items() if k != "rng"}
+            for net in nets:
+                out = net.forward()
+                np.testing.assert_array_equal(out["data"], want["data"])
+                np.testing.assert_array_equal(out["label"], want["label"])
+                assert {k: v for k, v in net.layer_list[0].cursor_state().items() if k != "rng"} == where
+            yield i
+
+    # (the thresholds are patched: a test must not depend on the machine's speed)
+    n = source.AUTO_BATCHES + 1
+    monkeypatch.setattr(source, "AUTO_MIN_S", float("inf"))
+    light = data_net(batch=50)             # loading never long enough: stays in the forward
+    assert light.layer_list[0].prefetcher is None and light.layer_list[0].auto
+    for _ in same([light], n + 2):
+        pass
+    assert light.layer_list[0].prefetcher is None and not light.layer_list[0].auto
+    monkeypatch.setattr(source, "AUTO_MIN_S", 0.0)
+    monkeypatch.setattr(source, "AUTO_SHARE", 0.0)
+    heavy = data_net(batch=50)             # always long enough: a thread after n batches
+    explicit = data_net("prefetch: 4", batch=50)
+    assert explicit.layer_list[0].prefetcher is not None and not explicit.layer_list[0].auto
+    for i in same([heavy, explicit], n + 5):
+        assert (heavy.layer_list[0].prefetcher is not None) == (i >= n - 1)
+    assert heavy.layer_list[0].prefetcher.batches == 5

@@ -60,7 +60,8 @@ def lenet(tmp_path_factory):
     _lmdb(d / "test", 100, 2)
     text = LENET.read_text().replace("examples/mnist/mnist_train_lmdb", str(d / "train")) \
                             .replace("examples/mnist/mnist_test_lmdb", str(d / "test")) \
-                            .replace("batch_size: 100", "batch_size: 50")
+                            .replace("batch_size: 100", "batch_size: 50") \
+                            .replace("backend: LMDB", "backend: LMDB prefetch: 4")
     (d / "lenet.prototxt").write_text(text)
     return d
 

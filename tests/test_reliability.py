@@ -94,7 +94,7 @@ def test_dropping_a_net_joins_its_prefetch_thread(tmp_path):
     import threading
 
     db = write_lmdb(tmp_path / "db", [chw_to_datum(np.zeros((1, 2, 2), np.uint8), 0)] * 4)
-    net = Net(str(data_net(tmp_path, db)), brewnet.TEST)
+    net = Net(str(data_net(tmp_path, db, prefetch=2)), brewnet.TEST)
     net.forward()
     t = net.layer_list[0].prefetcher._thread
     assert t is not None and t.is_alive()
@@ -488,12 +488,17 @@ def test_parse_log_on_a_binary_file_says_so_and_fails(tmp_path):
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_lmdb_error_mid_epoch_is_a_layer_error_naming_database_and_key(tmp_path, prefetch):
+def test_lmdb_error_mid_epoch_is_a_layer_error_naming_database_and_key(tmp_path, prefetch,
+                                                                       monkeypatch):
     # LMDB reports most damage as lmdb.Error subclasses while the cursor moves (some trip its
     # assert() instead, which no library can catch); a stub cursor raises one deterministically.
+    # (A small LMDB is read into memory at setup, where such damage would show: stream this one.)
     import lmdb
 
+    from brewnet.data import db as db_module
     from brewnet.layers import LayerError
+
+    monkeypatch.setattr(db_module, "MEMORY_BYTES", 0)
 
     class Damaged:
         def item(self):

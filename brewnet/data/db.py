@@ -2,12 +2,15 @@
 
 ``open_db(path)`` gives a read-only database whose ``cursor()`` walks the records in key order
 and wraps around at the end, as Caffe's ``DataLayer`` does; every cursor has its own read
-transaction, so several nets reading one source each keep their own position. ``open_writer``
-gives a writer that commits every 1000 records (Caffe's converters) and grows the LMDB map
-as needed. Records are raw bytes; ``decode_datum`` parses a serialized ``Datum``.
+transaction (a snapshot), so several nets reading one source each keep their own position. A
+small LMDB (``MEMORY_BYTES``) is read into memory when a cursor opens it; ``take(n)`` hands a
+batch's records over at once. ``open_writer`` gives a writer that commits every 1000 records
+(Caffe's converters) and grows the LMDB map as needed. Records are raw bytes;
+``decode_datum`` parses a serialized ``Datum``.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
@@ -160,7 +163,11 @@ class LMDB:
     def cursor(self) -> "Cursor":
         with _lmdb_errors(self.path):
             txn = self._env.env.begin(buffers=False)
+            st = self._env.env.stat()
+            pages = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        if pages * st["psize"] > MEMORY_BYTES:
             return Cursor(self, _LmdbIter(txn, self.path))
+        return Cursor(self, _MemIter(_records(self.path, txn)))
 
     def get(self, key: bytes) -> bytes | None:
         with _lmdb_errors(self.path, key), self._env.env.begin() as txn:
@@ -182,8 +189,87 @@ def _lmdb_errors(path: str, key=None):
     try:
         yield
     except lmdb.Error as e:
-        where = "" if key is None else f" (after record {_show(key)})"
-        raise DBError(f"{path}: the LMDB is damaged{where}: {type(e).__name__}: {e}") from None
+        raise _damaged(path, key, e) from None
+
+
+def _damaged(path: str, key, e: BaseException) -> DBError:
+    where = "" if key is None else f" (after record {_show(key)})"
+    return DBError(f"{path}: the LMDB is damaged{where}: {type(e).__name__}: {e}")
+
+
+# A cursor on an LMDB of up to this many bytes reads it into memory once (its read transaction
+# is a snapshot, so nothing is lost): in Python a record costs ~1 us to fetch, a batch of 100
+# more than a tiny net's whole step; from memory a batch is a slice. Cursors on one snapshot
+# share the copy.
+MEMORY_BYTES = 64 << 20
+_RECORDS: "weakref.WeakValueDictionary[tuple, _Records]" = weakref.WeakValueDictionary()
+
+
+class _Records:
+    """Every key and value of one LMDB snapshot, in key order."""
+
+    def __init__(self, txn, path: str):
+        import lmdb
+
+        self.keys, self.values = [], []
+        self.derived: dict = {}
+        try:
+            for k, v in txn.cursor().iternext():
+                self.keys.append(k)
+                self.values.append(v)
+        except lmdb.Error as e:
+            raise _damaged(path, self.keys[-1] if self.keys else None, e) from None
+
+
+def _records(path: str, txn) -> _Records:
+    key = (os.path.realpath(path), txn.id())
+    try:
+        with _ENVS_LOCK:
+            records = _RECORDS.get(key)
+            if records is None:
+                records = _RECORDS[key] = _Records(txn, path)
+    finally:
+        txn.abort()              # the copy is the snapshot; free the reader slot
+    return records
+
+
+class _MemIter:
+    """A position in records held in memory (``_Records``)."""
+
+    def __init__(self, records: _Records):
+        self.records, self.i = records, 0
+
+    def first(self) -> bool:
+        self.i = 0
+        return bool(self.records.keys)
+
+    def next(self) -> bool:
+        self.i += 1
+        return self.i < len(self.records.keys)
+
+    def item(self) -> tuple[bytes, bytes]:
+        return self.records.keys[self.i], self.records.values[self.i]
+
+    def seek(self, key: bytes) -> bool:
+        keys = self.records.keys
+        i = bisect.bisect_left(keys, key)      # LMDB's order: bytewise, as Python's
+        if i < len(keys) and keys[i] == key:
+            self.i = i
+            return True
+        return False
+
+    def take(self, n: int) -> tuple[list, list, int]:
+        keys, values = self.records.keys, self.records.values
+        out_k, out_v, wraps, i = [], [], 0, self.i
+        while n > 0:
+            m = min(n, len(keys) - i)
+            out_k += keys[i:i + m]
+            out_v += values[i:i + m]
+            i, n = i + m, n - m
+            if i == len(keys):
+                i, wraps = 0, wraps + 1
+        self.i = i
+        return out_k, out_v, wraps
 
 
 class _LmdbIter:
@@ -209,6 +295,26 @@ class _LmdbIter:
         with _lmdb_errors(self.path, self.key):
             return self.cur.set_key(key)
 
+    def take(self, n: int) -> tuple[list, list, int]:
+        """The next ``n`` keys and values from the current record on (wrapping), and the number
+        of wraps. One error scope for them all: per record it cost more than the read."""
+        import lmdb
+
+        keys, values, wraps = [], [], 0
+        item, step, first = self.cur.item, self.cur.next, self.cur.first
+        try:
+            for _ in range(n):
+                k, v = item()
+                keys.append(k)
+                values.append(v)
+                if not step():
+                    first()
+                    wraps += 1
+        except lmdb.Error as e:
+            raise _damaged(self.path, keys[-1] if keys else self.key, e) from None
+        self.key = keys[-1] if keys else self.key
+        return keys, values, wraps
+
 
 class Cursor:
     """Walks the records in key order and wraps around at the end (``epochs`` counts wraps).
@@ -230,6 +336,15 @@ class Cursor:
         item = self._it.item()
         self.advance()
         return item
+
+    def take(self, n: int) -> tuple[list, list, tuple | None]:
+        """The keys and values of the next ``n`` records, advancing past them (a batch), and
+        where they lie in a database held in memory: (its records, the first's index), else
+        None (a reader may keep arrays made once from ``records.values`` in ``records.derived``)."""
+        where = (self._it.records, self._it.i) if isinstance(self._it, _MemIter) else None
+        keys, values, wraps = self._it.take(n)
+        self.epochs += wraps
+        return keys, values, where
 
     def advance(self, n: int = 1) -> None:
         """Move ``n`` records on without reading their values (a worker skipping other shards)."""
@@ -368,6 +483,17 @@ class _LevelIter:
 
     def item(self) -> tuple[bytes, bytes]:
         return self._item
+
+    def take(self, n: int) -> tuple[list, list, int]:
+        keys, values, wraps = [], [], 0
+        for _ in range(n):
+            k, v = self._item
+            keys.append(k)
+            values.append(v)
+            if not self.next():
+                self.first()
+                wraps += 1
+        return keys, values, wraps
 
 
 class LevelDBWriter:

@@ -110,7 +110,20 @@ class HDF5Data(SourceLayer):
     def reshape(self, bottom_shapes):
         return list(self.shapes)
 
+    def _tops(self, arrays) -> list:
+        tops = [torch.from_numpy(a) for a in arrays]
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            return tops
+        return [t.to(device=self.device, dtype=self.dtype) for t in tops]
+
     def forward(self, bottoms):
+        n, row = self.batch_size, self.current_row
+        if self.count == 1 and row + n < len(self.row_order):
+            # inside the current file with a row left after it: nothing wraps, no file changes,
+            # so one fancy-index copy per top
+            rows = self.row_order[row:row + n]
+            self.current_row, self.offset = row + n, self.offset + n
+            return self._tops([b[rows] for b in self.blobs_in_file])
         outs = [np.empty(s, np.float32) for s in self.shapes]
         if self.count > 1:              # a worker's share: Caffe 1.0's Skip, row by row
             for i in range(self.batch_size):
@@ -120,7 +133,7 @@ class HDF5Data(SourceLayer):
                 for o, b in zip(outs, self.blobs_in_file):
                     o[i] = b[row]
                 self._next()
-            return [torch.from_numpy(o).to(device=self.device, dtype=self.dtype) for o in outs]
+            return self._tops(outs)
         i = 0
         while i < self.batch_size:      # runs of rows within the current file, one take each
             n = min(self.batch_size - i, len(self.row_order) - self.current_row)
@@ -131,7 +144,7 @@ class HDF5Data(SourceLayer):
             self.offset += n - 1
             self._next()                # the last row of the run: wraps files as Caffe does
             i += n
-        return [torch.from_numpy(o).to(device=self.device, dtype=self.dtype) for o in outs]
+        return self._tops(outs)
 
 
 @register("HDF5Output")

@@ -4,10 +4,10 @@ HDF5Data, HDF5Output and WindowData (R-CNN windows).
 Each layer owns a loader (its own cursor, file position, shuffling and transform RNG, so
 several nets reading one source never share a position) that makes host batches; Data,
 ImageData and WindowData run it in a background Prefetcher thread (``data_param.prefetch``
-batches ahead, 0: load in the forward pass). Tops are float32 on the CPU until the net calls
-``to(device, dtype)``; on CUDA batches are built in pinned memory and copied non-blocking.
-Data tops have no backward. The loaders never reference the layer, so a dropped net stops
-its thread.
+batches ahead) or in the forward pass (0; unset: as ``source.py``'s timing picks). Tops are
+float32 on the CPU until the net calls ``to(device, dtype)``; on CUDA batches are built in
+pinned memory and copied non-blocking. Data tops have no backward. The loaders never
+reference the layer, so a dropped net stops its thread.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 from ..layers.registry import register
 from ..proto import caffe_pb2 as pb
 from .convert import ListError, read_list
+from .datums import raw_batch, raw_layout
 from .db import DBError, _show, decode_datum, open_db
 from .source import Loader, Prefetching, check_batch, layer_error
 from .transform import DataTransformer, TransformError, hwc_to_chw, read_image
@@ -55,26 +56,45 @@ class _DatumLoader(Loader):
         self.cursor.seek(key)
         self.cursor.epochs = epochs
 
-    def _next(self):
-        while self.offset % self.count != self.rank:
-            self.cursor.advance()
+    def _read(self) -> tuple[list, list, tuple | None]:
+        """The keys and values of the batch's records (this worker's share of them), and where
+        they lie in memory (``Cursor.take``)."""
+        if self.count == 1:
+            self.offset += self.batch_size
+            return self.cursor.take(self.batch_size)
+        keys, values = [], []
+        for _ in range(self.batch_size):
+            while self.offset % self.count != self.rank:
+                self.cursor.advance()
+                self.offset += 1
             self.offset += 1
-        self.offset += 1
-        return self.cursor.next()
+            key, value = self.cursor.next()
+            keys.append(key)
+            values.append(value)
+        return keys, values, None
 
     def next_batch(self):
-        images, labels = [], np.empty(self.batch_size, np.float32)
-        for i in range(self.batch_size):
-            key, value = self._next()
-            datum = decode_datum(value, key, self.source)
-            img = self.tf.image(datum, key, self.source)
-            if images and img.shape != images[0].shape:
-                raise TransformError(f"{self.source}: record {_show(key)} (item {i} of the batch) "
-                                     f"has shape {img.shape}, the batch's first has "
-                                     f"{images[0].shape}; a batch needs one shape")
-            images.append(img)
-            labels[i] = datum.label
-        data = self.alloc((self.batch_size,) + self.tf.check(images[0].shape))
+        keys, values, where = self._read()
+        first = decode_datum(values[0], keys[0], self.source)
+        img = self.tf.image(first, keys[0], self.source)
+        layout = raw_layout(first)
+        raw = raw_batch(values, layout, where) if layout is not None else None
+        if raw is not None:             # raw byte records: one array, no Datum per record
+            images, labels = raw[0].reshape((len(values),) + img.shape), raw[1]
+        else:
+            images, labels = [img], np.empty(self.batch_size, np.float32)
+            labels[0] = first.label
+            for i in range(1, len(values)):
+                datum = decode_datum(values[i], keys[i], self.source)
+                img = self.tf.image(datum, keys[i], self.source)
+                if img.shape != images[0].shape:
+                    raise TransformError(f"{self.source}: record {_show(keys[i])} (item {i} of "
+                                         f"the batch) has shape {img.shape}, the batch's first "
+                                         f"has {images[0].shape}; a batch needs one shape")
+                images.append(img)
+                labels[i] = datum.label
+        shape = images[0].shape[-3:]
+        data = self.alloc((self.batch_size,) + self.tf.check(shape))
         self.tf.transform(images, out=data.numpy())
         return [data, self.alloc(labels.shape).copy_(torch.from_numpy(labels))][:1 + self.with_label]
 
@@ -114,7 +134,7 @@ class Data(Prefetching):
             raise layer_error(self, e) from None
         self.db = db
         self.shapes = [(bs,) + item, (bs,)][:self.num_tops]
-        self.start_loader(_DatumLoader(cursor, p.source, bs, tf, self.num_tops == 2), p.prefetch)
+        self.start_loader(_DatumLoader(cursor, p.source, bs, tf, self.num_tops == 2), p)
 
     def reshape(self, bottom_shapes):
         return list(self.shapes)
@@ -208,7 +228,7 @@ class ImageData(Prefetching):
         except (OSError, TransformError) as e:
             raise layer_error(self, e) from None
         self.shapes = [(bs,) + item, (bs,)]
-        self.start_loader(loader, self.param.data_param.prefetch)
+        self.start_loader(loader, self.param.data_param)
 
     def reshape(self, bottom_shapes):
         return list(self.shapes)

@@ -1,7 +1,21 @@
 """The base of the prefetching data layers: a Loader makes host batches, a Prefetching layer
-serves them from a background Prefetcher and moves them to the net's device and dtype."""
+serves them from a background Prefetcher and moves them to the net's device and dtype.
+
+When a layer's ``data_param.prefetch`` is set, it is the queue depth (0: load in the forward
+pass). When it is unset, the layer loads its first batches in the forward pass and times them:
+it starts a producer thread (Caffe's default depth, 4) only when loading a batch takes at least
+``AUTO_MIN_S`` and at least ``AUTO_SHARE`` of the time between forwards. A thread can hide no
+more than the loading, and handing batches across threads costs its own: the producer's Python
+(Datum parsing, cursor moves) holds the GIL, so the main thread waits to re-take it after every
+torch op. On a 2-core machine, with raw MNIST records (0.1-0.5 ms a batch), a thread made a
+single InnerProduct's step 1.06-1.11x slower (2.4x before batches were read as one array) and
+LeNet's 0.97-1.03x (benchmarks/small_nets.py's nets, alternating blocks in one process); JPEG
+decoding (OpenCV releases the GIL) takes milliseconds a batch and keeps its thread. Either way
+the batches are the same: the thread only runs the same loader ahead.
+"""
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -11,6 +25,11 @@ from ..layers.data import SourceLayer
 from .db import DBError
 from .prefetch import Prefetcher
 from .transform import TransformError
+
+log = logging.getLogger("brewnet")
+AUTO_BATCHES = 8       # batches timed (after the first, cold one) before the choice
+AUTO_SHARE = 0.25      # of the time between forwards: a "light" producer (as plan_threads)
+AUTO_MIN_S = 1e-3      # a batch's loading below this cannot pay for a thread's handoffs
 
 
 class Loader:
@@ -41,10 +60,15 @@ class Loader:
 class Prefetching(SourceLayer):
     """A data layer whose batches come from ``self.loader`` through a Prefetcher."""
 
-    def start_loader(self, loader: Loader, depth: int) -> None:
-        self.loader, self.depth = loader, depth
-        self.prefetcher = Prefetcher(loader, depth, name=self.name) if depth > 0 else None
-        self.wait_s = 0.0          # used when depth is 0 (loading inside forward)
+    def start_loader(self, loader: Loader, param) -> None:
+        """Serve ``loader``'s batches as ``param`` (a DataParameter) says: ``prefetch`` batches
+        ahead in a thread, in the forward pass (0), or by the timing above (unset)."""
+        self.loader, self.depth = loader, param.prefetch
+        self.auto = not param.HasField("prefetch")
+        self.prefetcher = None if self.auto or self.depth == 0 else \
+            Prefetcher(loader, self.depth, name=self.name)
+        self._timed = None         # (batches, their loading seconds, the first's end) while auto
+        self.wait_s = 0.0          # seconds spent loading inside forward (no thread)
         self.consumed_state = loader.state()    # where the batches served so far leave it
 
     def reposition(self, change) -> None:
@@ -77,16 +101,39 @@ class Prefetching(SourceLayer):
             else:
                 t0 = time.perf_counter()
                 batch, state = self.loader()
-                self.wait_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self.wait_s += t1 - t0
+                if self.auto:
+                    self._choose(t1 - t0, t1)
             self.consumed_state = state
         except (DBError, TransformError, OSError) as e:
             raise layer_error(self, e) from None
         return [t.to(device=self.device, dtype=self.dtype, non_blocking=True) for t in batch]
 
+    def _choose(self, load_s: float, now: float) -> None:
+        if self._timed is None:     # the first batch (cold caches, the open) starts the clock
+            self._timed = (0, 0.0, now)
+            return
+        n, load, start = self._timed
+        n, load = n + 1, load + load_s
+        self._timed = (n, load, start)
+        if n < AUTO_BATCHES:
+            return
+        self.auto = False
+        per, share = load / n, load / max(now - start, 1e-9)
+        if per >= AUTO_MIN_S and share >= AUTO_SHARE:
+            log.info("Layer '%s': loading takes %.1f ms a batch, %.0f%% of the time between "
+                     "forwards; prefetching %d batches in a thread", self.name, per * 1e3,
+                     share * 100, self.depth)
+            self.prefetcher = Prefetcher(self.loader, self.depth, name=self.name)
+        else:
+            log.debug("Layer '%s': loading in the forward pass (%.2f ms a batch, %.0f%% of the "
+                      "time between forwards)", self.name, per * 1e3, share * 100)
+
     @property
     def data_wait_s(self) -> float:
         """Seconds the forward pass spent waiting for data."""
-        return self.prefetcher.wait_s if self.prefetcher is not None else self.wait_s
+        return self.wait_s + (self.prefetcher.wait_s if self.prefetcher is not None else 0.0)
 
     def __del__(self):
         p = getattr(self, "prefetcher", None)

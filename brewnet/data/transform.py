@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from ..proto import caffe_pb2 as pb
 
@@ -190,9 +191,10 @@ class DataTransformer:
         n = len(images)
         if n == 0:
             raise TransformError(f"{self.who}: there are no images to transform")
-        c, H, W = images[0].shape
+        batch = isinstance(images, np.ndarray)     # (N, C, H, W): one shape by construction
+        c, H, W = images.shape[1:] if batch else images[0].shape
         c, h, w = self.check((c, H, W))
-        for i in range(1, n):
+        for i in range(1, 0 if batch else n):
             if images[i].shape != images[0].shape:
                 raise TransformError(f"{self.who}: image {i} of the batch has shape "
                                      f"{images[i].shape}, the first has {images[0].shape}; "
@@ -203,30 +205,38 @@ class DataTransformer:
         if self.crop and self.phase == pb.TRAIN:
             hs = self.rng.integers(0, H - h + 1, n)
             ws = self.rng.integers(0, W - w + 1, n)
+            same = bool((hs == hs[0]).all() and (ws == ws[0]).all())
+            a, b = int(hs[0]), int(ws[0])
         else:
-            hs = np.full(n, (H - h) // 2)
-            ws = np.full(n, (W - w) // 2)
+            a, b, same = (H - h) // 2, (W - w) // 2, True
         flips = self.rng.integers(0, 2, n).astype(bool) if self.mirror else None
-        same = bool((hs == hs[0]).all() and (ws == ws[0]).all())
-        if same and isinstance(images, np.ndarray):
-            x = images[:, :, hs[0]:hs[0] + h, ws[0]:ws[0] + w]
+        if same and batch:
+            x = images[:, :, a:a + h, b:b + w]
+        elif batch:                                 # every item's crop in one gather
+            x = sliding_window_view(images, (h, w), axis=(2, 3))[np.arange(n), :, hs, ws]
         else:
             # One dtype for the batch that holds every item: a float_data Datum after a byte
             # one keeps its floats (Caffe transforms each Datum on its own).
             x = np.empty((n, c, h, w), np.result_type(*{im.dtype for im in images}))
             for i in range(n):
-                x[i] = images[i][:, hs[i]:hs[i] + h, ws[i]:ws[i] + w]
+                ai, bi = (a, b) if same else (hs[i], ws[i])
+                x[i] = images[i][:, ai:ai + h, bi:bi + w]
+        scale = self.scale != 1
         if self.mean is not None:
             if same:
-                mean = self.mean[:, hs[0]:hs[0] + h, ws[0]:ws[0] + w]
+                mean = self.mean[:, a:a + h, b:b + w]
             else:
-                mean = np.stack([self.mean[:, a:a + h, b:b + w] for a, b in zip(hs, ws)])
+                mean = sliding_window_view(self.mean, (h, w), axis=(1, 2))[:, hs, ws]
+                mean = mean.transpose(1, 0, 2, 3)      # (C, N, h, w) -> (N, C, h, w)
             np.subtract(x, mean, out=out, dtype=np.float32)
         elif len(self.mean_values):
             np.subtract(x, self.mean_values.reshape(-1, 1, 1), out=out, dtype=np.float32)
+        elif scale:         # one pass: the cast to float32 is exact, the product rounds once
+            np.multiply(x, self.scale, out=out, dtype=np.float32)
+            scale = False
         else:
             out[...] = x
-        if self.scale != 1:
+        if scale:
             np.multiply(out, self.scale, out=out)
         if flips is not None and flips.any():
             out[flips] = out[flips][..., ::-1]

@@ -209,7 +209,7 @@ class WindowData(Prefetching):
                                t.mirror, p.context_pad, p.crop_mode == "square",
                                p.fg_fraction, p.scale, mean, values, cache)
         self.shapes = [(p.batch_size, channels, t.crop_size, t.crop_size), (p.batch_size,)]
-        self.start_loader(loader, self.param.data_param.prefetch)
+        self.start_loader(loader, self.param.data_param)
 
     def reshape(self, bottom_shapes):
         return list(self.shapes)
