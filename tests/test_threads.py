@@ -145,3 +145,20 @@ def test_pycaffe_forward_plans_threads():
     net = brewnet.Net(parse_net_text(LOGREG), brewnet.TEST)
     net.forward()
     assert torch.get_num_threads() == 1
+
+
+def test_a_trial_on_a_much_slower_count_stops_after_one_call(monkeypatch):
+    """Re-checks on a count that stalls (a busy neighbour: 30x slower) cost one call each, not a
+    block of them (steady latency)."""
+    net = brewnet.Net(parse_net_text(BIG), brewnet.TEST)
+    tuner = threads.Tuner(net)
+    monkeypatch.setattr(tuner, "clock", FakeClock({1: 1.0, 2: 30.0}))
+    monkeypatch.setattr(threads, "RECHECK_S", 0.0)            # re-check at every chance
+    ran = []
+    for _ in range(threads.WARMUP + threads.BLOCK + 60):
+        with tuner:
+            ran.append(torch.get_num_threads())
+    assert tuner.choice == 1
+    after = ran[ran.index(1):]
+    assert after.count(2) >= 5                                 # it did keep re-checking ...
+    assert all(not (a == b == 2) for a, b in zip(after, after[1:]))   # ... one call at a time
