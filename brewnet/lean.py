@@ -26,22 +26,100 @@ Python the graph saves is small there), which does not pay for the trace and the
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 
 import torch
 
 from .errors import NetError
+from .net import _nhwc
 
 log = logging.getLogger("brewnet")
 AFTER = 10      # whole forwards with the same input shapes before the net is traced
+SMALL_CONV_FLOPS = 4e6     # convolutions below this (whole batch): torch's own im2col + GEMM
+DNN_MIN_WEIGHT = 1 << 22   # inner products with this many weights or more: oneDNN's
+LEAN_MAX_FLOPS = 2e8       # by default, nets doing less per forward (all layers) run as a graph
+aten = torch.ops.aten
+
+
+def _nchw(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in NCHW memory (undoing ``_nhwc``'s one-channel strides too)."""
+    x = x.contiguous()
+    if x.dim() == 4 and x.shape[1] == 1 and x.stride(1) != x.stride(0):
+        h, w = x.shape[2:]
+        x = x.as_strided(x.shape, (h * w, h * w, w, 1))
+    return x
+
+
+def small_conv(x, weight, bias, stride, pad, channels_last: bool):
+    """A small convolution as torch's native kernel (im2col + one GEMM, NCHW), the result in
+    the net's layout: oneDNN's primitives cost several times more for these (LeNet at batch
+    1: conv1 ~116 us vs ~28, conv2 ~210 vs ~85, one thread)."""
+    y = aten._slow_conv2d_forward(_nchw(x), weight, list(weight.shape[2:]), bias, stride, pad)
+    return _nhwc(y) if channels_last else y
+
+
+def dnn_linear(x, weight, bias):
+    from .layers.functional import _dnn_linear
+
+    return _dnn_linear()(x, weight, bias)
+
+
+def choose_kernels(gm: torch.fx.GraphModule, channels_last: bool) -> int:
+    """Fixed, size-based kernel choices in the graph (never timed, so the numbers never depend
+    on the run): small 2-D convolutions go to ``small_conv``; inner products with
+    ``DNN_MIN_WEIGHT`` weights or more to oneDNN's (the graph's trace records BLAS ``addmm``;
+    oneDNN pays for CaffeNet's fc6/fc7 at batch 16, ~70 vs ~98 ms for fc6, and loses below).
+    Returns how many nodes changed."""
+    from .layers.functional import _dnn_linear
+
+    changed = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target is aten.conv2d.default:
+            defaults = [None, [1, 1], [0, 0], [1, 1], 1]      # bias, stride, pad, dilation, groups
+            x, w, b, stride, pad, dil, groups = list(n.args) + defaults[len(n.args) - 2:]
+            out = n.meta.get("val")
+            if (n.kwargs or w.op != "get_attr" or out is None or groups != 1
+                    or list(dil) != [1, 1]):
+                continue
+            weight = operator.attrgetter(w.target)(gm)
+            if weight.dtype != torch.float32 or weight.dim() != 4:
+                continue
+            if 2 * out.numel() * weight[0].numel() >= SMALL_CONV_FLOPS:
+                continue
+            new = (small_conv, (x, w, b, list(stride), list(pad), channels_last))
+        elif n.target is aten.addmm.default and _dnn_linear() is not None:
+            b, x, t = n.args[:3]
+            if (len(n.args) > 3 or n.kwargs or t.op != "call_function" or t.target is not aten.t.default
+                    or t.args[0].op != "get_attr"):
+                continue
+            weight = operator.attrgetter(t.args[0].target)(gm)
+            if weight.dtype != torch.float32 or weight.numel() < DNN_MIN_WEIGHT:
+                continue
+            new = (dnn_linear, (x, t.args[0], b))
+        else:
+            continue
+        with gm.graph.inserting_before(n):
+            m = gm.graph.call_function(*new)
+        m.meta = dict(n.meta)
+        n.replace_all_uses_with(m)
+        gm.graph.erase_node(n)
+        changed += 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return changed
 
 
 class LeanForward:
     def __init__(self, net):
         self.net = net
-        self.calls, self._key = 0, None
+        self.calls, self._key, self._small = 0, None, None
         self.gm, self.steps, self.failed = None, [], False
+        self.traces = 0                            # traces attempted (each a one-off cost)
+        self._cl = net._channels_last              # the plain path's NHWC activations
         self._saved: list[torch.Tensor] = []       # the inputs the graph last ran on
         self._stale: list = []                     # intermediate blobs not written by the graph
         io = set(net.inputs) | set(net.outputs)
@@ -49,9 +127,19 @@ class LeanForward:
 
     def eligible(self) -> bool:
         net = self.net
-        return (not self.failed and os.environ.get("BREWNET_LEAN", "0") == "1" and net.inputs
+        return (not self.failed and os.environ.get("BREWNET_LEAN", "") != "0" and net.inputs
                 and not net._needs_backward and net.device.type == "cpu"
                 and not any(b._viewed("data") for b in self._middle))
+
+    def wanted(self) -> bool:
+        """At the current shapes: ``BREWNET_LEAN=1``, or a net small enough to gain."""
+        if os.environ.get("BREWNET_LEAN", "") == "1":
+            return True
+        if self._small is None:
+            from .threads import op_flops
+
+            self._small = sum(op_flops(self.net)) < LEAN_MAX_FLOPS
+        return self._small
 
     def run(self) -> bool:
         """One whole forward through the graph when it is ready (else count towards it); False:
@@ -61,10 +149,14 @@ class LeanForward:
         net = self.net
         key = tuple(tuple(net.blobs[n].shape) for n in net.inputs)
         if key != self._key:
-            self._key, self.calls, self.gm = key, 0, None
+            self._key, self.calls, self.gm, self._small = key, 0, None, None
         self.calls += 1
         if self.gm is None:
             if self.calls <= AFTER:
+                return False
+            if net._current_input_shapes() != net._input_shapes:
+                net.reshape()
+            if not self.wanted():
                 return False
             self._build()
             if self.gm is None:
@@ -75,7 +167,7 @@ class LeanForward:
         self._bind()
         xs = [net.blobs[n].tensor.detach() for n in net.inputs]
         with torch.no_grad():
-            out = self.gm(*xs)
+            out = self.gm(*[_nhwc(x) if self._cl and x.dim() == 4 else x for x in xs])
         outs = out if isinstance(out, tuple) else (out,)
         for name, t in zip(net.outputs, outs):
             net.blobs[name].write(t)
@@ -118,11 +210,14 @@ class LeanForward:
         from .deploy.graph import _graph_module, traced_program
 
         net = self.net
+        self.traces += 1
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                ep, tracee, _ = traced_program(net, fold=True, dynamic_batch=False)
+                ep, tracee, _ = traced_program(net, fold=True, dynamic_batch=False,
+                                               channels_last=self._cl)
             self.gm = _graph_module(ep, tracee)
+            choose_kernels(self.gm, self._cl)
         except (NetError, RuntimeError, ValueError, TypeError, NotImplementedError) as e:
             self.failed = True
             log.info("Net '%s': repeated inference stays layer by layer (no graph: %s)", net.name,

@@ -103,15 +103,22 @@ def plain_forward(net, x, monkeypatch, blobs=()):
         return {k: v.copy() for k, v in net.forward(blobs=list(blobs), data=x).items()}
 
 
-def test_lean_inference_is_opt_in(monkeypatch):
+@pytest.mark.parametrize("env,max_flops,lean_on", [(None, 2e8, True),    # small: by default
+                                                   (None, 1e3, False),   # too large to gain
+                                                   ("1", 1e3, True), ("0", 2e8, False)])
+def test_lean_inference_default_and_override(monkeypatch, env, max_flops, lean_on):
     from brewnet import lean
 
     monkeypatch.setattr(lean, "AFTER", 1)
-    monkeypatch.delenv("BREWNET_LEAN", raising=False)
+    monkeypatch.setattr(lean, "LEAN_MAX_FLOPS", max_flops)
+    if env is None:
+        monkeypatch.delenv("BREWNET_LEAN", raising=False)
+    else:
+        monkeypatch.setenv("BREWNET_LEAN", env)
     net = deploy_net()
     for _ in range(3):
         net.forward()
-    assert net._lean.gm is None
+    assert (net._lean.gm is not None) == lean_on
 
 
 def test_lean_forward_matches_and_keeps_blob_semantics(lean_soon, monkeypatch):
@@ -163,3 +170,40 @@ def test_nets_that_need_backward_stay_plain(lean_soon):
     for _ in range(3):
         net.forward()
     assert net._lean.gm is None
+
+
+LEAN_RTOL = 1e-5      # brewnet/lean.py: other kernels sum in another order (float32 rounding)
+MODEL_NETS = {
+    "LeNet": ("caffe-models/trained/lenet_mnist_ethereon/examples/mnist/lenet.prototxt",
+              "caffe-models/trained/lenet_mnist_ethereon/examples/mnist/lenet_iter_10000.caffemodel"),
+    "CIFAR-10": ("caffe-models/bvlc/examples/cifar10/cifar10_quick.prototxt", None),
+    "open_nsfw": ("caffe-models/trained/open_nsfw/deploy.prototxt",
+                  "caffe-models/trained/open_nsfw/resnet_50_1by2_nsfw.caffemodel"),
+}
+
+
+@pytest.mark.parametrize("name,batch", [("LeNet", 1), ("LeNet", 4), ("CIFAR-10", 1), ("open_nsfw", 1)])
+def test_lean_matches_plain_on_models(name, batch, lean_soon, monkeypatch):
+    """The graph with its kernel choices (small convolutions on torch's own kernel, large inner
+    products on oneDNN's) gives the plain path's outputs within ``LEAN_RTOL`` of their scale."""
+    from helpers import SHARED, need, pick
+
+    proto, weights = MODEL_NETS[name]
+    proto = need(pick(proto) if weights is None else SHARED / proto)
+    brewnet.set_random_seed(3)
+    net = brewnet.Net(str(proto), brewnet.TEST, weights=str(need(SHARED / weights)) if weights else None)
+    shape = (batch,) + net.blobs[net.inputs[0]].shape[1:]
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+    feed = net.inputs[0]
+    ref = [plain_forward(net, x, monkeypatch) for x in xs]
+    net.forward(**{feed: xs[0]})                    # counted (AFTER is 1)
+    for x, want in zip(xs, ref):
+        got = net.forward(**{feed: x})
+        assert net._lean.gm is not None
+        for k, v in want.items():
+            assert np.abs(got[k] - v).max() <= LEAN_RTOL * np.abs(v).max() + 1e-30, k
+    if name == "LeNet" and batch == 1:        # both convolutions are under SMALL_CONV_FLOPS
+        from brewnet import lean
+
+        assert sum(n.target is lean.small_conv for n in net._lean.gm.graph.nodes) == 2
