@@ -13,15 +13,26 @@ kept by a transparent fallback:
   as Caffe's memory does), other input shapes, or a net the trace refuses: the plain path.
 - The graph reads the layers' own parameter tensors (the folded ones through ``Folder``'s cache,
   which watches numpy views and versions), so net surgery between calls is seen.
-Numbers: the graph runs the same torch ops, but torch may pick other kernels for them (an addmm
-where the layer used oneDNN's packed linear; NCHW where the CPU path uses channels_last), so
-outputs agree with the plain path to float32 rounding (tests: within 1e-5 relative), not bit for
-bit. The trace costs seconds once (torch.export, logged; ~14 s for LeNet on the loaded 2-core
-machine it was measured on).
+The graph is traced on NHWC inputs and run on them, as the plain CPU path runs, so it calls the
+same kernels, with two fixed kernel choices by size (never by timing, so the numbers never depend
+on the run; ``choose_kernels``):
+- a 2-D convolution under ``SMALL_CONV_FLOPS`` for the whole batch runs on torch's own im2col +
+  GEMM kernel instead of oneDNN's, whose primitives cost several times more for these (LeNet at
+  batch 1: conv1 ~116 vs ~28 us, conv2 ~210 vs ~85 us);
+- an inner product with ``GRAPH_DNN_MIN_WEIGHT`` weights or more runs on oneDNN's (the trace
+  records BLAS ``addmm``; oneDNN pays for CaffeNet's fc6 and fc7 at batch 16, loses below).
+Numbers: where neither rule changes a kernel the plain path uses, the graph gives its outputs
+bit for bit (open_nsfw at batch 1 and 16, measured); a re-chosen kernel sums in another order,
+so outputs agree with the plain path within ``1e-5`` of their largest magnitude
+(tests/test_lean.py, on LeNet, CIFAR-10 and open_nsfw; measured ~2e-6 on LeNet at batch 1).
 
-Off unless ``BREWNET_LEAN=1``: measured through ``Net.forward`` on LeNet at batch 1, the graph
-took 1.9 ms of CPU per call against the layer-by-layer path's 2.0 ms (the kernels dominate; the
-Python the graph saves is small there), which does not pay for the trace and the 1e-7 changes.
+When: by default for nets doing under ``LEAN_MAX_FLOPS`` per forward (all layers, at the current
+shapes), where the per-layer Python is a visible share of a call (LeNet at batch 1 through
+``Net.forward``: ~0.64x the plain path's time on one thread, batch 16: ~0.92x); on CaffeNet and
+open_nsfw the kernels dominate and the graph measured within 2-5% of the plain path, which does not
+pay for the trace. ``BREWNET_LEAN=1`` turns it on for every eligible net, ``BREWNET_LEAN=0`` off.
+The trace costs seconds, once per input shape, at the ``AFTER + 1``-th call (torch.export; logged;
+left out of the thread timing).
 """
 from __future__ import annotations
 
@@ -38,7 +49,10 @@ from .net import _nhwc
 log = logging.getLogger("brewnet")
 AFTER = 10      # whole forwards with the same input shapes before the net is traced
 SMALL_CONV_FLOPS = 4e6     # convolutions below this (whole batch): torch's own im2col + GEMM
-DNN_MIN_WEIGHT = 1 << 22   # inner products with this many weights or more: oneDNN's
+# inner products with this many weights or more: oneDNN's (the plain path's threshold,
+# functional.DNN_MIN_WEIGHT, is 2^18: it also counts the backward; at inference LeNet's ip1,
+# 400k weights, takes ~130 us on BLAS and ~215 on oneDNN at batch 1)
+GRAPH_DNN_MIN_WEIGHT = 1 << 22
 LEAN_MAX_FLOPS = 2e8       # by default, nets doing less per forward (all layers) run as a graph
 aten = torch.ops.aten
 
@@ -69,7 +83,7 @@ def dnn_linear(x, weight, bias):
 def choose_kernels(gm: torch.fx.GraphModule, channels_last: bool) -> int:
     """Fixed, size-based kernel choices in the graph (never timed, so the numbers never depend
     on the run): small 2-D convolutions go to ``small_conv``; inner products with
-    ``DNN_MIN_WEIGHT`` weights or more to oneDNN's (the graph's trace records BLAS ``addmm``;
+    ``GRAPH_DNN_MIN_WEIGHT`` weights or more to oneDNN's (the trace records BLAS ``addmm``;
     oneDNN pays for CaffeNet's fc6/fc7 at batch 16, ~70 vs ~98 ms for fc6, and loses below).
     Returns how many nodes changed."""
     from .layers.functional import _dnn_linear
@@ -93,11 +107,11 @@ def choose_kernels(gm: torch.fx.GraphModule, channels_last: bool) -> int:
             new = (small_conv, (x, w, b, list(stride), list(pad), channels_last))
         elif n.target is aten.addmm.default and _dnn_linear() is not None:
             b, x, t = n.args[:3]
-            if (len(n.args) > 3 or n.kwargs or t.op != "call_function" or t.target is not aten.t.default
-                    or t.args[0].op != "get_attr"):
+            if (len(n.args) > 3 or n.kwargs or t.op != "call_function"
+                    or t.target is not aten.t.default or t.args[0].op != "get_attr"):
                 continue
             weight = operator.attrgetter(t.args[0].target)(gm)
-            if weight.dtype != torch.float32 or weight.numel() < DNN_MIN_WEIGHT:
+            if weight.dtype != torch.float32 or weight.numel() < GRAPH_DNN_MIN_WEIGHT:
                 continue
             new = (dnn_linear, (x, t.args[0], b))
         else:
