@@ -26,13 +26,12 @@ bit for bit (open_nsfw at batch 1 and 16, measured); a re-chosen kernel sums in 
 so outputs agree with the plain path within ``1e-5`` of their largest magnitude
 (tests/test_lean.py, on LeNet, CIFAR-10 and open_nsfw; measured ~2e-6 on LeNet at batch 1).
 
-When: by default for nets doing under ``LEAN_MAX_FLOPS`` per forward (all layers, at the current
-shapes), where the per-layer Python is a visible share of a call (LeNet at batch 1 through
-``Net.forward``: ~0.64x the plain path's time on one thread, batch 16: ~0.92x); on CaffeNet and
-open_nsfw the kernels dominate and the graph measured within 2-5% of the plain path, which does not
-pay for the trace. ``BREWNET_LEAN=1`` turns it on for every eligible net, ``BREWNET_LEAN=0`` off.
-The trace costs seconds, once per input shape, at the ``AFTER + 1``-th call (torch.export; logged;
-left out of the thread timing).
+On by default; ``BREWNET_LEAN=0`` keeps every forward on the plain path. Measured through
+``Net.forward`` on one thread, interleaved with the plain path in one process (a loaded 2-core
+machine): LeNet at batch 1 ~0.64x the plain path's time, batch 16 ~0.92x; open_nsfw at batch 1
+~0.78x, CaffeNet ~0.93x (the NHWC weights and the per-layer Python saved); at batch 16 the
+kernels dominate (0.98-1.03x). The trace costs seconds, once per input shape, at the
+``AFTER + 1``-th call (torch.export; logged; left out of the thread timing: brewnet/threads.py).
 """
 from __future__ import annotations
 
@@ -53,7 +52,6 @@ SMALL_CONV_FLOPS = 4e6     # convolutions below this (whole batch): torch's own 
 # functional.DNN_MIN_WEIGHT, is 2^18: it also counts the backward; at inference LeNet's ip1,
 # 400k weights, takes ~130 us on BLAS and ~215 on oneDNN at batch 1)
 GRAPH_DNN_MIN_WEIGHT = 1 << 22
-LEAN_MAX_FLOPS = 2e8       # by default, nets doing less per forward (all layers) run as a graph
 aten = torch.ops.aten
 
 
@@ -137,7 +135,7 @@ def conv_weights(gm: torch.fx.GraphModule) -> set[str]:
 class LeanForward:
     def __init__(self, net):
         self.net = net
-        self.calls, self._key, self._small = 0, None, None
+        self.calls, self._key = 0, None
         self.gm, self.steps, self.failed = None, [], False
         self._nhwc_w: dict = {}                    # id(weight) -> (key, weight, NHWC copy)
         self.traces = 0                            # traces attempted (each a one-off cost)
@@ -153,16 +151,6 @@ class LeanForward:
                 and not net._needs_backward and net.device.type == "cpu"
                 and not any(b._viewed("data") for b in self._middle))
 
-    def wanted(self) -> bool:
-        """At the current shapes: ``BREWNET_LEAN=1``, or a net small enough to gain."""
-        if os.environ.get("BREWNET_LEAN", "") == "1":
-            return True
-        if self._small is None:
-            from .threads import op_flops
-
-            self._small = sum(op_flops(self.net)) < LEAN_MAX_FLOPS
-        return self._small
-
     def run(self) -> bool:
         """One whole forward through the graph when it is ready (else count towards it); False:
         the caller runs the plain path."""
@@ -171,15 +159,13 @@ class LeanForward:
         net = self.net
         key = tuple(tuple(net.blobs[n].shape) for n in net.inputs)
         if key != self._key:
-            self._key, self.calls, self.gm, self._small = key, 0, None, None
+            self._key, self.calls, self.gm = key, 0, None
         self.calls += 1
         if self.gm is None:
             if self.calls <= AFTER:
                 return False
             if net._current_input_shapes() != net._input_shapes:
                 net.reshape()
-            if not self.wanted():
-                return False
             self._build()
             if self.gm is None:
                 return False

@@ -101,21 +101,16 @@ def ceiling() -> int:
     return _ceiling[0] if _ceiling else max(1, usable_cores())
 
 
-def op_flops(net) -> list[int]:
-    """FLOPs per layer of ``net`` in a forward pass at its current shapes."""
-    out = []
+def largest_op_flops(net) -> int:
+    """The most FLOPs one layer of ``net`` does in a forward pass."""
+    out = 0
     for layer, bottoms, tops in zip(net.layer_list, net.bottom_lists, net.top_lists):
         try:
             f = layer.flops([net.shapes[b] for b in bottoms], [net.shapes[t] for t in tops])
         except Exception:      # a plugin's flops() that cannot say: assume real work
             f = TINY_FLOPS
-        out.append(int(f))
+        out = max(out, int(f))
     return out
-
-
-def largest_op_flops(net) -> int:
-    """The most FLOPs one layer of ``net`` does in a forward pass."""
-    return max(op_flops(net), default=0)
 
 
 def timed_training() -> bool:
