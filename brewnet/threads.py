@@ -12,8 +12,10 @@ The policy, for a Solver's training net (``Solver``) and a pycaffe ``Net``'s for
 - **Inference: measured, cheaply.** A forward-only net starts on the ceiling (the usable cores,
   or what the CLI planned beside its data threads); after a few calls it compares its last
   ``BLOCK`` calls with ``TRIAL`` calls on the other choice (one thread, or the ceiling) and keeps
-  the faster. It re-checks every ``RECHECK_S`` seconds, or at once when calls become 1.5x slower
-  than when it chose. A trial stops at its first call that is clearly slower than the calls it
+  the faster. It re-checks every ``RECHECK_S`` seconds (doubling, up to ``MAX_WAIT_S``, while
+  trials keep stopping early), or at once when calls on the ceiling become 1.5x slower than
+  when it chose (slower on one thread is the neighbour's load: more threads would stall more).
+  A trial stops at its first call that is clearly slower than the calls it
   is compared with (``ABORT``; 3x for the first call at a count, which may still build oneDNN's
   primitives for it): a busy neighbour can make a team that stalls at every barrier 30x slower
   (open_nsfw at batch 1 on a loaded 2-core machine: 1.3 s instead of 42 ms), and a 5-call trial
@@ -44,6 +46,7 @@ TRIAL = 3              # calls on the other choice
 ABORT = 1.25           # a trial call this much slower than the current median ends the trial
 WARMUP = 3             # calls before the first timing (allocator, oneDNN primitive caches)
 RECHECK_S = 10.0
+MAX_WAIT_S = 160.0     # re-checks that keep stopping early back off to this
 ADAPTIVE = "adaptive"   # BREWNET_THREADS=adaptive: timed choice in training as well
 _initial = torch.get_num_threads()      # torch's count when brewnet was imported
 _ours: list[int] = []                   # the last count brewnet set
@@ -142,6 +145,7 @@ class Tuner:
         self._best_s = None               # median per call when the choice was made
         self._recent: list[float] = []    # the last BLOCK calls on the choice
         self._checked = 0.0
+        self._wait = RECHECK_S            # seconds to the next re-check
         self._t0 = 0.0
 
     def __enter__(self):
@@ -183,8 +187,9 @@ class Tuner:
         self._recent = (self._recent + [dt])[-BLOCK:]
         if len(self._recent) < BLOCK:
             return False
-        due = self._best_s is None or time.monotonic() - self._checked > RECHECK_S
-        slower = (self._best_s is not None
+        due = self._best_s is None or time.monotonic() - self._checked > self._wait
+        # Slower on one thread is the neighbour's load: a team would only stall more.
+        slower = (self._best_s is not None and self.choice > 1
                   and statistics.median(self._recent[-3:]) > 1.5 * self._best_s)
         if due or slower:
             self._trial = []
@@ -196,13 +201,14 @@ class Tuner:
         other = 1 if self.choice != 1 else ceiling()
         self._trial.append(dt)
         if dt > (3.0 if len(self._trial) == 1 else ABORT) * cur:
+            self._wait = min(2 * self._wait, MAX_WAIT_S)   # the same again soon: back off
             self._decide(self.choice, cur)
         elif len(self._trial) >= TRIAL:
             med = statistics.median(self._trial)
             if med < cur:
                 log.info("Net '%s': %d torch thread(s) (%.3g ms per call vs %.3g ms with %d)",
                          self.name, other, med * 1e3, cur * 1e3, self.choice)
-                self._recent = list(self._trial)
+                self._recent, self._wait = list(self._trial), RECHECK_S
                 self._decide(other, med)
             else:
                 self._decide(self.choice, cur)
