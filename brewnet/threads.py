@@ -15,12 +15,13 @@ The policy, for a Solver's training net (``Solver``) and a pycaffe ``Net``'s for
   the faster. It re-checks every ``RECHECK_S`` seconds (doubling, up to ``MAX_WAIT_S``, while
   trials keep stopping early), or at once when calls on the ceiling become 1.5x slower than
   when it chose (slower on one thread is the neighbour's load: more threads would stall more).
-  A trial stops at its first call that is clearly slower than the calls it
-  is compared with (``ABORT``; 3x for the first call at a count, which may still build oneDNN's
-  primitives for it): a busy neighbour can make a team that stalls at every barrier 30x slower
-  (open_nsfw at batch 1 on a loaded 2-core machine: 1.3 s instead of 42 ms), and a 5-call trial
-  of that would be seconds of latency spikes each time. A steady net thus pays at most two
-  slower calls per re-check; the other calls stay on the faster count.
+  A trial stops at its first call that is clearly slower than the calls it is compared with
+  (``ABORT``; 3x for the first call at a count, which may still build oneDNN's primitives for
+  it): a busy neighbour can make a team that stalls at every barrier 30x slower (open_nsfw at
+  batch 1 on a loaded 2-core machine: 1.3 s instead of 42 ms), and a 5-call trial of that would
+  be seconds of latency spikes each time. A steady net thus pays at most two slower calls per
+  re-check; the other calls stay on the faster count. A call that did one-off work (the lean
+  graph's trace, brewnet/lean.py) is left out (``Tuner.discard``).
 - **Passive waiting.** ``import brewnet`` before torch sets ``OMP_WAIT_POLICY=PASSIVE``
   (``brewnet/__init__.py``) unless the variable is set at all (even empty): idle OpenMP threads
   then sleep instead of spinning on the cores a neighbour (or another brewnet process) needs. libgomp reads it once, when torch loads it, so a script
