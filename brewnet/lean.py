@@ -13,28 +13,123 @@ kept by a transparent fallback:
   as Caffe's memory does), other input shapes, or a net the trace refuses: the plain path.
 - The graph reads the layers' own parameter tensors (the folded ones through ``Folder``'s cache,
   which watches numpy views and versions), so net surgery between calls is seen.
-Numbers: the graph runs the same torch ops, but torch may pick other kernels for them (an addmm
-where the layer used oneDNN's packed linear; NCHW where the CPU path uses channels_last), so
-outputs agree with the plain path to float32 rounding (tests: within 1e-5 relative), not bit for
-bit. The trace costs seconds once (torch.export, logged; ~14 s for LeNet on the loaded 2-core
-machine it was measured on).
+The graph is traced on NHWC inputs and run on them, as the plain CPU path runs, so it calls the
+same kernels, with two fixed kernel choices by size (never by timing, so the numbers never depend
+on the run; ``choose_kernels``):
+- a 2-D convolution under ``SMALL_CONV_FLOPS`` for the whole batch runs on torch's own im2col +
+  GEMM kernel instead of oneDNN's, whose primitives cost several times more for these (LeNet at
+  batch 1: conv1 ~116 vs ~28 us, conv2 ~210 vs ~85 us);
+- an inner product with ``GRAPH_DNN_MIN_WEIGHT`` weights or more runs on oneDNN's (the trace
+  records BLAS ``addmm``; oneDNN pays for CaffeNet's fc6 and fc7 at batch 16, loses below).
+Numbers: where neither rule changes a kernel the plain path uses, the graph gives its outputs
+bit for bit (open_nsfw at batch 1 and 16, measured); a re-chosen kernel sums in another order,
+so outputs agree with the plain path within ``1e-5`` of their largest magnitude
+(tests/test_lean.py, on LeNet, CIFAR-10 and open_nsfw; measured ~2e-6 on LeNet at batch 1).
 
-Off unless ``BREWNET_LEAN=1``: measured through ``Net.forward`` on LeNet at batch 1, the graph
-took 1.9 ms of CPU per call against the layer-by-layer path's 2.0 ms (the kernels dominate; the
-Python the graph saves is small there), which does not pay for the trace and the 1e-7 changes.
+On by default; ``BREWNET_LEAN=0`` keeps every forward on the plain path. Measured through
+``Net.forward`` on one thread, interleaved with the plain path in one process (a loaded 2-core
+machine): LeNet at batch 1 ~0.64x the plain path's time, batch 16 ~0.92x; open_nsfw at batch 1
+~0.78x, CaffeNet ~0.93x (the NHWC weights and the per-layer Python saved); at batch 16 the
+kernels dominate (0.98-1.03x). The trace costs seconds, once per input shape, at the
+``AFTER + 1``-th call (torch.export; logged; left out of the thread timing: brewnet/threads.py).
 """
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 
 import torch
 
 from .errors import NetError
+from .net import _nhwc
 
 log = logging.getLogger("brewnet")
 AFTER = 10      # whole forwards with the same input shapes before the net is traced
+SMALL_CONV_FLOPS = 4e6     # convolutions below this (whole batch): torch's own im2col + GEMM
+# inner products with this many weights or more: oneDNN's (the plain path's threshold,
+# functional.DNN_MIN_WEIGHT, is 2^18: it also counts the backward; at inference LeNet's ip1,
+# 400k weights, takes ~130 us on BLAS and ~215 on oneDNN at batch 1)
+GRAPH_DNN_MIN_WEIGHT = 1 << 22
+aten = torch.ops.aten
+
+
+def _nchw(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in NCHW memory (undoing ``_nhwc``'s one-channel strides too)."""
+    x = x.contiguous()
+    if x.dim() == 4 and x.shape[1] == 1 and x.stride(1) != x.stride(0):
+        h, w = x.shape[2:]
+        x = x.as_strided(x.shape, (h * w, h * w, w, 1))
+    return x
+
+
+def small_conv(x, weight, bias, stride, pad, channels_last: bool):
+    """A small convolution as torch's native kernel (im2col + one GEMM, NCHW), the result in
+    the net's layout: oneDNN's primitives cost several times more for these (LeNet at batch
+    1: conv1 ~116 us vs ~28, conv2 ~210 vs ~85, one thread)."""
+    y = aten._slow_conv2d_forward(_nchw(x), weight, list(weight.shape[2:]), bias, stride, pad)
+    return _nhwc(y) if channels_last else y
+
+
+def dnn_linear(x, weight, bias):
+    from .layers.functional import _dnn_linear
+
+    return _dnn_linear()(x, weight, bias)
+
+
+def choose_kernels(gm: torch.fx.GraphModule, channels_last: bool) -> int:
+    """Fixed, size-based kernel choices in the graph (never timed, so the numbers never depend
+    on the run): small 2-D convolutions go to ``small_conv``; inner products with
+    ``GRAPH_DNN_MIN_WEIGHT`` weights or more to oneDNN's (the trace records BLAS ``addmm``;
+    oneDNN pays for CaffeNet's fc6/fc7 at batch 16, ~70 vs ~98 ms for fc6, and loses below).
+    Returns how many nodes changed."""
+    from .layers.functional import _dnn_linear
+
+    changed = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target is aten.conv2d.default:
+            defaults = [None, [1, 1], [0, 0], [1, 1], 1]      # bias, stride, pad, dilation, groups
+            x, w, b, stride, pad, dil, groups = list(n.args) + defaults[len(n.args) - 2:]
+            out = n.meta.get("val")
+            if (n.kwargs or w.op != "get_attr" or out is None or groups != 1
+                    or list(dil) != [1, 1]):
+                continue
+            weight = operator.attrgetter(w.target)(gm)
+            if weight.dtype != torch.float32 or weight.dim() != 4:
+                continue
+            if 2 * out.numel() * weight[0].numel() >= SMALL_CONV_FLOPS:
+                continue
+            new = (small_conv, (x, w, b, list(stride), list(pad), channels_last))
+        elif n.target is aten.addmm.default and _dnn_linear() is not None:
+            b, x, t = n.args[:3]
+            if (len(n.args) > 3 or n.kwargs or t.op != "call_function"
+                    or t.target is not aten.t.default or t.args[0].op != "get_attr"):
+                continue
+            weight = operator.attrgetter(t.args[0].target)(gm)
+            if weight.dtype != torch.float32 or weight.numel() < GRAPH_DNN_MIN_WEIGHT:
+                continue
+            new = (dnn_linear, (x, t.args[0], b))
+        else:
+            continue
+        with gm.graph.inserting_before(n):
+            m = gm.graph.call_function(*new)
+        m.meta = dict(n.meta)
+        n.replace_all_uses_with(m)
+        gm.graph.erase_node(n)
+        changed += 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return changed
+
+
+def conv_weights(gm: torch.fx.GraphModule) -> set[str]:
+    """The attributes the graph's oneDNN convolutions read as weights."""
+    return {n.args[1].target for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is aten.conv2d.default
+            and n.args[1].op == "get_attr"}
 
 
 class LeanForward:
@@ -42,6 +137,9 @@ class LeanForward:
         self.net = net
         self.calls, self._key = 0, None
         self.gm, self.steps, self.failed = None, [], False
+        self._nhwc_w: dict = {}                    # id(weight) -> (key, weight, NHWC copy)
+        self.traces = 0                            # traces attempted (each a one-off cost)
+        self._cl = net._channels_last              # the plain path's NHWC activations
         self._saved: list[torch.Tensor] = []       # the inputs the graph last ran on
         self._stale: list = []                     # intermediate blobs not written by the graph
         io = set(net.inputs) | set(net.outputs)
@@ -49,7 +147,7 @@ class LeanForward:
 
     def eligible(self) -> bool:
         net = self.net
-        return (not self.failed and os.environ.get("BREWNET_LEAN", "0") == "1" and net.inputs
+        return (not self.failed and os.environ.get("BREWNET_LEAN", "") != "0" and net.inputs
                 and not net._needs_backward and net.device.type == "cpu"
                 and not any(b._viewed("data") for b in self._middle))
 
@@ -66,6 +164,8 @@ class LeanForward:
         if self.gm is None:
             if self.calls <= AFTER:
                 return False
+            if net._current_input_shapes() != net._input_shapes:
+                net.reshape()
             self._build()
             if self.gm is None:
                 return False
@@ -75,7 +175,7 @@ class LeanForward:
         self._bind()
         xs = [net.blobs[n].tensor.detach() for n in net.inputs]
         with torch.no_grad():
-            out = self.gm(*xs)
+            out = self.gm(*[_nhwc(x) if self._cl and x.dim() == 4 else x for x in xs])
         outs = out if isinstance(out, tuple) else (out,)
         for name, t in zip(net.outputs, outs):
             net.blobs[name].write(t)
@@ -118,25 +218,48 @@ class LeanForward:
         from .deploy.graph import _graph_module, traced_program
 
         net = self.net
+        self.traces += 1
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                ep, tracee, _ = traced_program(net, fold=True, dynamic_batch=False)
+                ep, tracee, _ = traced_program(net, fold=True, dynamic_batch=False,
+                                               channels_last=self._cl)
             self.gm = _graph_module(ep, tracee)
+            choose_kernels(self.gm, self._cl)
         except (NetError, RuntimeError, ValueError, TypeError, NotImplementedError) as e:
             self.failed = True
             log.info("Net '%s': repeated inference stays layer by layer (no graph: %s)", net.name,
                      str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
             return
-        self.steps = [(i, end, getattr(self.gm, attr), names) for i, end, attr, names in tracee.steps
-                      if attr is not None]
+        nhwc = conv_weights(self.gm) if self._cl else set()
+        self.steps = [(i, end, getattr(self.gm, attr), names,
+                       [f"{attr}.{n}" in nhwc for n in names])
+                      for i, end, attr, names in tracee.steps if attr is not None]
+        self._nhwc_w = {}
         log.info("Net '%s': repeated inference runs as one graph of torch ops (traced in %.2g s)",
                  net.name, time.perf_counter() - t0)
 
     def _bind(self) -> None:
         """Point the graph at the layers' current parameters (folded ones from the cache)."""
         net = self.net
-        for i, end, sub, names in self.steps:
+        for i, end, sub, names, nhwc in self.steps:
             blobs = net._folder.weights(i) if end != i else net.layer_list[i].blobs
-            for name, t in zip(names, blobs):
+            for name, t, cl in zip(names, blobs, nhwc):
+                if cl:
+                    t = self._nhwc_weight(t)
                 (sub._buffers if name in sub._buffers else sub._parameters)[name] = t
+
+    def _nhwc_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """A convolution weight in NHWC memory, cached as ``Folder`` caches (against the tensor's
+        version and the numpy views handed out): oneDNN converts an NCHW weight to its input's
+        layout on every call (CaffeNet at batch 1: ~10 ms of its ~170 on one thread). Same
+        values, same kernel: the same numbers."""
+        from . import blob as _blob
+
+        key = (_blob.param_views(), w._version)
+        hit = self._nhwc_w.get(id(w))
+        if hit is not None and hit[0] == key and hit[1] is w:
+            return hit[2]
+        cl = w.detach().contiguous(memory_format=torch.channels_last)
+        self._nhwc_w[id(w)] = (key, w, cl)
+        return cl

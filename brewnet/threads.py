@@ -9,12 +9,19 @@ The policy, for a Solver's training net (``Solver``) and a pycaffe ``Net``'s for
   would no longer equal the uninterrupted or lone run bit for bit). Passive waiting (below) is
   what keeps a training team from collapsing under a busy neighbour. ``BREWNET_THREADS=adaptive``
   turns the timing on for training too, at the price of that reproducibility.
-- **Inference: measured.** A forward-only net starts on the ceiling (the usable cores, or what the CLI
-  planned beside its data threads); after a few calls it times a block of calls on the ceiling
-  and a block on one thread and keeps the faster, and it re-times the other choice every
-  ``RECHECK_S`` seconds, or at once when calls become 1.5x slower than when it chose. A busy
-  neighbour process that takes a core makes the team stall at every barrier; the net then falls
-  back to one thread and goes back when the core is free again.
+- **Inference: measured, cheaply.** A forward-only net starts on the ceiling (the usable cores,
+  or what the CLI planned beside its data threads); after a few calls it compares its last
+  ``BLOCK`` calls with ``TRIAL`` calls on the other choice (one thread, or the ceiling) and keeps
+  the faster. It re-checks every ``RECHECK_S`` seconds (doubling, up to ``MAX_WAIT_S``, while
+  trials keep stopping early), or at once when calls on the ceiling become 1.5x slower than
+  when it chose (slower on one thread is the neighbour's load: more threads would stall more).
+  A trial stops at its first call that is clearly slower than the calls it is compared with
+  (``ABORT``; 3x for the first call at a count, which may still build oneDNN's primitives for
+  it): a busy neighbour can make a team that stalls at every barrier 30x slower (open_nsfw at
+  batch 1 on a loaded 2-core machine: 1.3 s instead of 42 ms), and a 5-call trial of that would
+  be seconds of latency spikes each time. A steady net thus pays at most two slower calls per
+  re-check; the other calls stay on the faster count. A call that did one-off work (the lean
+  graph's trace, brewnet/lean.py) is left out (``Tuner.discard``).
 - **Passive waiting.** ``import brewnet`` before torch sets ``OMP_WAIT_POLICY=PASSIVE``
   (``brewnet/__init__.py``) unless the variable is set at all (even empty): idle OpenMP threads
   then sleep instead of spinning on the cores a neighbour (or another brewnet process) needs.
@@ -40,9 +47,12 @@ import torch
 
 log = logging.getLogger("brewnet")
 TINY_FLOPS = 4e6       # below this per layer and pass, threads cost more than they save
-BLOCK = 5              # calls timed per choice
+BLOCK = 5              # recent calls on the current choice, compared with a trial
+TRIAL = 3              # calls on the other choice
+ABORT = 1.25           # a trial call this much slower than the current median ends the trial
 WARMUP = 3             # calls before the first timing (allocator, oneDNN primitive caches)
 RECHECK_S = 10.0
+MAX_WAIT_S = 160.0     # re-checks that keep stopping early back off to this
 ADAPTIVE = "adaptive"   # BREWNET_THREADS=adaptive: timed choice in training as well
 _initial = torch.get_num_threads()      # torch's count when brewnet was imported
 SPINNING = False       # set by brewnet/__init__.py: torch was loaded before brewnet, policy unset
@@ -147,10 +157,11 @@ class Tuner:
                             "they wait and a busy neighbour stalls every step: training runs on "
                             "one thread. Import brewnet first, or set OMP_WAIT_POLICY=PASSIVE "
                             "(or BREWNET_THREADS=N), to train on the cores.")
-        self._trial: list = []            # [(threads, [seconds...])] blocks being compared
+        self._trial: list | None = None  # seconds per call on the other choice, while one runs
         self._best_s = None               # median per call when the choice was made
-        self._recent: list[float] = []
+        self._recent: list[float] = []    # the last BLOCK calls on the choice
         self._checked = 0.0
+        self._wait = RECHECK_S            # seconds to the next re-check
         self._t0 = 0.0
 
     def __enter__(self):
@@ -166,11 +177,15 @@ class Tuner:
                 torch.set_num_threads(fixed)        # BREWNET_THREADS
             self._t0 = None
             return self
-        n = self._trial[-1][0] if self._trial else self.choice
+        n = self._threads_now()
         if torch.get_num_threads() != n:
             apply(n)
         self._t0 = self.clock()
         return self
+
+    def discard(self) -> None:
+        """Leave the current call out of the timing (it did one-off work: a trace)."""
+        self._t0 = None
 
     def __exit__(self, *exc):
         if self._t0 is None or exc[0] is not None:
@@ -180,32 +195,46 @@ class Tuner:
         if self.tiny or ceiling() == 1:
             self.choice = 1
             return False
-        if not self.timed:
+        if not self.timed or self.calls <= WARMUP:
             return False
-        if self._trial:
-            self._trial[-1][1].append(dt)
-            if len(self._trial[-1][1]) >= BLOCK:
-                self._next_trial()
+        if self._trial is not None:
+            self._trial_call(dt)
             return False
         self._recent = (self._recent + [dt])[-BLOCK:]
-        due = self.calls == WARMUP or (self._checked and time.monotonic() - self._checked > RECHECK_S)
-        slower = (self._best_s is not None and len(self._recent) == BLOCK
-                  and statistics.median(self._recent) > 1.5 * self._best_s)
+        if len(self._recent) < BLOCK:
+            return False
+        due = self._best_s is None or time.monotonic() - self._checked > self._wait
+        # Slower on one thread is the neighbour's load: a team would only stall more.
+        slower = (self._best_s is not None and self.choice > 1
+                  and statistics.median(self._recent[-3:]) > 1.5 * self._best_s)
         if due or slower:
-            self._trial = [(self.choice, [])]
+            self._trial = []
         return False
 
-    def _next_trial(self) -> None:
-        if len(self._trial) == 1:        # now the other choice
-            other = 1 if self._trial[0][0] != 1 else ceiling()
-            self._trial.append((other, []))
-            return
-        (a, ta), (b, tb) = self._trial
-        ma, mb = statistics.median(ta), statistics.median(tb)
-        pick, best = (a, ma) if ma <= mb else (b, mb)
-        if pick != self.choice:
-            log.info("Net '%s': %d torch thread(s) (%.3g ms per call vs %.3g ms with %d)",
-                     self.name, pick, best * 1e3, max(ma, mb) * 1e3, a if pick == b else b)
-        self.choice, self._best_s = pick, best
-        self._trial, self._recent = [], []
+    def _trial_call(self, dt: float) -> None:
+        """One call on the other choice: stop at a clearly slower call, else compare medians."""
+        cur = statistics.median(self._recent)
+        other = 1 if self.choice != 1 else ceiling()
+        self._trial.append(dt)
+        if dt > (3.0 if len(self._trial) == 1 else ABORT) * cur:
+            self._wait = min(2 * self._wait, MAX_WAIT_S)   # the same again soon: back off
+            self._decide(self.choice, cur)
+        elif len(self._trial) >= TRIAL:
+            med = statistics.median(self._trial)
+            if med < cur:
+                log.info("Net '%s': %d torch thread(s) (%.3g ms per call vs %.3g ms with %d)",
+                         self.name, other, med * 1e3, cur * 1e3, self.choice)
+                self._recent, self._wait = list(self._trial), RECHECK_S
+                self._decide(other, med)
+            else:
+                self._decide(self.choice, cur)
+
+    def _decide(self, choice: int, best: float) -> None:
+        self.choice, self._best_s, self._trial = choice, best, None
         self._checked = time.monotonic()
+
+    def _threads_now(self) -> int:
+        """The count this call runs on: the trial's while one runs, else the choice."""
+        if self._trial is None:
+            return self.choice
+        return 1 if self.choice != 1 else ceiling()

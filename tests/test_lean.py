@@ -1,6 +1,7 @@
-"""The lean paths give the plain paths' numbers bit for bit on the CPU: the grouped
-``_foreach`` updates of every rule, and the one-graph inference of pycaffe's ``Net.forward``
-(with its fallback keeping Caffe's blob semantics)."""
+"""The lean paths against the plain paths on the CPU: the grouped ``_foreach`` updates of every
+rule bit for bit, and the one-graph inference of pycaffe's ``Net.forward`` (with its fallback
+keeping Caffe's blob semantics) within ``LEAN_RTOL`` where brewnet/lean.py re-chooses a kernel,
+bit for bit where it does not."""
 import numpy as np
 import pytest
 import torch
@@ -103,15 +104,19 @@ def plain_forward(net, x, monkeypatch, blobs=()):
         return {k: v.copy() for k, v in net.forward(blobs=list(blobs), data=x).items()}
 
 
-def test_lean_inference_is_opt_in(monkeypatch):
+@pytest.mark.parametrize("env,lean_on", [(None, True), ("1", True), ("0", False)])
+def test_lean_inference_default_and_override(monkeypatch, env, lean_on):
     from brewnet import lean
 
     monkeypatch.setattr(lean, "AFTER", 1)
-    monkeypatch.delenv("BREWNET_LEAN", raising=False)
+    if env is None:
+        monkeypatch.delenv("BREWNET_LEAN", raising=False)
+    else:
+        monkeypatch.setenv("BREWNET_LEAN", env)
     net = deploy_net()
     for _ in range(3):
         net.forward()
-    assert net._lean.gm is None
+    assert (net._lean.gm is not None) == lean_on
 
 
 def test_lean_forward_matches_and_keeps_blob_semantics(lean_soon, monkeypatch):
@@ -157,9 +162,75 @@ def test_lean_forward_sees_net_surgery(lean_soon, monkeypatch):
     np.testing.assert_allclose(got, plain_forward(net, x, monkeypatch)["prob"], rtol=1e-5, atol=1e-7)
 
 
+BIGCONV = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 8 dim: 32 dim: 32 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 32 kernel_size: 5 weight_filler { type: "xavier" } } }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+"""
+
+
+def test_nhwc_weights_are_bit_identical_and_follow_surgery(lean_soon, monkeypatch):
+    """A oneDNN convolution's weight is bound in NHWC memory (cached): the plain path's numbers
+    bit for bit, and a write through ``net.params`` is seen at the next forward."""
+    from brewnet import lean
+
+    brewnet.set_random_seed(2)
+    net = brewnet.Net(parse_text(BIGCONV, pb.NetParameter()), brewnet.TEST)
+    x = np.random.default_rng(5).standard_normal((1, 8, 32, 32)).astype(np.float32)
+    for _ in range(3):
+        got = net.forward(data=x)["pool"].copy()
+    assert lean.conv_weights(net._lean.gm)                   # a oneDNN convolution, not small
+    np.testing.assert_array_equal(got, plain_forward(net, x, monkeypatch)["pool"])
+    net.params["conv"][0].data[...] *= -0.5
+    got = net.forward(data=x)["pool"].copy()
+    assert net._lean._stale                                  # still the graph
+    np.testing.assert_array_equal(got, plain_forward(net, x, monkeypatch)["pool"])
+
+
 def test_nets_that_need_backward_stay_plain(lean_soon):
     net = brewnet.Net(parse_text(DEPLOY.replace('type: "Softmax"', 'type: "Softmax" loss_weight: 1'),
                                  pb.NetParameter()), brewnet.TEST)
     for _ in range(3):
         net.forward()
     assert net._lean.gm is None
+
+
+LEAN_RTOL = 1e-5      # brewnet/lean.py: other kernels sum in another order (float32 rounding)
+MODEL_NETS = {
+    "LeNet": ("caffe-models/trained/lenet_mnist_ethereon/examples/mnist/lenet.prototxt",
+              "caffe-models/trained/lenet_mnist_ethereon/examples/mnist/lenet_iter_10000.caffemodel"),
+    "CIFAR-10": ("caffe-models/bvlc/examples/cifar10/cifar10_quick.prototxt", None),
+    "open_nsfw": ("caffe-models/trained/open_nsfw/deploy.prototxt",
+                  "caffe-models/trained/open_nsfw/resnet_50_1by2_nsfw.caffemodel"),
+}
+
+
+@pytest.mark.parametrize("name,batch", [("LeNet", 1), ("LeNet", 4), ("CIFAR-10", 1), ("open_nsfw", 1)])
+def test_lean_matches_plain_on_models(name, batch, lean_soon, monkeypatch):
+    """The graph with its kernel choices (small convolutions on torch's own kernel, large inner
+    products on oneDNN's) gives the plain path's outputs within ``LEAN_RTOL`` of their scale."""
+    from helpers import SHARED, need, pick
+
+    proto, weights = MODEL_NETS[name]
+    proto = need(pick(proto) if weights is None else SHARED / proto)
+    brewnet.set_random_seed(3)
+    net = brewnet.Net(str(proto), brewnet.TEST, weights=str(need(SHARED / weights)) if weights else None)
+    shape = (batch,) + net.blobs[net.inputs[0]].shape[1:]
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+    feed = net.inputs[0]
+    ref = [plain_forward(net, x, monkeypatch) for x in xs]
+    net.forward(**{feed: xs[0]})                    # counted (AFTER is 1)
+    for x, want in zip(xs, ref):
+        got = net.forward(**{feed: x})
+        assert net._lean.gm is not None
+        for k, v in want.items():
+            assert np.abs(got[k] - v).max() <= LEAN_RTOL * np.abs(v).max() + 1e-30, k
+            if name == "open_nsfw":       # no kernel re-chosen there: the same numbers
+                np.testing.assert_array_equal(got[k], v)
+    if name == "LeNet" and batch == 1:        # both convolutions are under SMALL_CONV_FLOPS
+        from brewnet import lean
+
+        assert sum(n.target is lean.small_conv for n in net._lean.gm.graph.nodes) == 2

@@ -198,3 +198,42 @@ def test_training_after_torch_was_imported_first_uses_one_thread(first, policy, 
         assert n == 1 and "torch was imported before brewnet" in out
     else:
         assert n == threads.usable_cores() and "imported before brewnet" not in out
+
+
+def test_a_trial_on_a_much_slower_count_stops_after_one_call(monkeypatch):
+    """Re-checks on a count that stalls (a busy neighbour: 30x slower) cost one call each, not a
+    block of them (steady latency)."""
+    net = brewnet.Net(parse_net_text(BIG), brewnet.TEST)
+    tuner = threads.Tuner(net)
+    monkeypatch.setattr(tuner, "clock", FakeClock({1: 1.0, 2: 30.0}))
+    monkeypatch.setattr(threads, "RECHECK_S", 0.0)            # re-check at every chance
+    ran = []
+    for _ in range(threads.WARMUP + threads.BLOCK + 60):
+        with tuner:
+            ran.append(torch.get_num_threads())
+    assert tuner.choice == 1
+    after = ran[ran.index(1):]
+    assert after.count(2) >= 5                                 # it did keep re-checking ...
+    assert all(not (a == b == 2) for a, b in zip(after, after[1:]))   # ... one call at a time
+
+
+def test_re_checks_that_keep_stopping_early_back_off(monkeypatch):
+    """On a loaded machine the other count keeps losing: re-checks come ever more rarely (up to
+    MAX_WAIT_S apart), not every RECHECK_S."""
+    net = brewnet.Net(parse_net_text(BIG), brewnet.TEST)
+    tuner = threads.Tuner(net)
+    monkeypatch.setattr(tuner, "clock", FakeClock({1: 1.0, 2: 30.0}))
+    monkeypatch.setattr(threads, "RECHECK_S", 2.0)
+    monkeypatch.setattr(threads, "MAX_WAIT_S", 16.0)
+    now = [0.0]
+    monkeypatch.setattr(threads.time, "monotonic", lambda: now[0])
+    ran = []
+    for _ in range(threads.WARMUP + threads.BLOCK + 400):
+        now[0] += 1.0                                          # a call a second
+        with tuner:
+            ran.append(torch.get_num_threads())
+    after = ran[ran.index(1):]
+    trials = [i for i, n in enumerate(after) if n == 2]
+    gaps = [b - a for a, b in zip(trials, trials[1:])]
+    assert tuner.choice == 1 and len(trials) >= 5
+    assert gaps == sorted(gaps) and 16 <= gaps[-1] <= 18      # doubling, then capped

@@ -123,21 +123,29 @@ class _Tracee(torch.nn.Module):
         return tuple(cur[o] for o in net.outputs)
 
 
-def _example_inputs(net: Net) -> list[torch.Tensor]:
+def _example_inputs(net: Net, channels_last: bool = False) -> list[torch.Tensor]:
+    from ..net import _nhwc
+
     out = []
     for name in net.inputs:
         s = tuple(net.shapes[name])
         if not s or 0 in s:
             raise NetError(f"Input '{name}' has no shape ({s}); give the Input layer its shape")
         # A batch of 1 would be specialised by export: trace at 2, any batch runs afterwards.
-        out.append(torch.randn((max(s[0], 2),) + s[1:]))
+        x = torch.randn((max(s[0], 2),) + s[1:])
+        out.append(_nhwc(x) if channels_last and x.dim() == 4 else x)
     return out
 
 
-def traced_program(net: Net, fold: bool = False, dynamic_batch: bool = True):
-    """(ExportedProgram, tracee, whether the batch is dynamic) of ``net``'s TEST forward."""
+def traced_program(net: Net, fold: bool = False, dynamic_batch: bool = True,
+                   channels_last: bool = False):
+    """(ExportedProgram, tracee, whether the batch is dynamic) of ``net``'s TEST forward;
+    ``channels_last``: traced on NHWC inputs, as the CPU path runs (layers that branch on the
+    layout take the branch that path takes)."""
+    from ..net import _nhwc
+
     tracee = _Tracee(net, fold)
-    xs = _example_inputs(net)
+    xs = _example_inputs(net, channels_last)
     if dynamic_batch:
         batch = torch.export.Dim("batch", min=1)
         dyn = (tuple({0: batch} for _ in xs),)      # forward(*inputs): one varargs entry
@@ -149,6 +157,7 @@ def traced_program(net: Net, fold: bool = False, dynamic_batch: bool = True):
             log.warning("Net '%s': the batch size stays %d (not dynamic): %s", net.name,
                         net.shapes[net.inputs[0]][0], str(e).splitlines()[0][:200])
     xs = [torch.randn(net.shapes[n]) for n in net.inputs]
+    xs = [_nhwc(x) if channels_last and x.dim() == 4 else x for x in xs]
     return torch.export.export(tracee, tuple(xs), strict=False), tracee, False
 
 

@@ -46,12 +46,15 @@ class Net(core.Net):
                 blob.reshape(*value.shape)
             blob.data[...] = value
         whole = start is None and end is None
-        with self._threads:
+        with self._threads as tuner:
+            traces = self._lean.traces
             if not (whole and not blobs and self._lean.run()):
                 if not whole:
                     self._lean.settle()      # a partial pass reads what the graph did not write
                 self._lean.drop()
                 self.forward_tensors(start, end)
+            if self._lean.traces != traces:
+                tuner.discard()              # the one-off trace is no sample of a call
         i1 = self._index(end, len(self.layer_list) - 1)
         outs = self.top_lists[i1] if end is not None else self.outputs
         return {n: self.blobs[n].data for n in list(outs) + list(blobs or [])}
