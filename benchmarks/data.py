@@ -11,7 +11,8 @@ ImageNet-shaped LMDB of 600 JPEG-encoded 256x256 records (the sample images, re-
 Rates: one thread, the layer's own loader (read + parse + decode + transform into a batch),
 no prefetch, best of 3. Training: the nets' real solvers and train_test prototxts with the
 sources pointed at those LMDBs; ``wait`` is the time the Data layer's forward blocked on the
-prefetch queue (or, with prefetch 0, spent loading), as a share of the iteration time.
+prefetch queue (or, loading in the forward pass, spent loading), as a share of the iteration
+time; "unset" leaves data_param.prefetch out, so the layer makes its own timed choice.
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def rates(data: dict) -> None:
         print(f"{name:<26} {short:<58} {rate(layer, n):>10,.0f}")
 
 
-def solver_for(solver_file, net_file, sources: dict, mean=None) -> SGDSolver:
+def solver_for(solver_file, net_file, sources: dict, mean=None, prefetch=None) -> SGDSolver:
     param = read_solver(MODELS / solver_file)
     net = read_net(MODELS / net_file)
     for lp in net.layer:
@@ -101,6 +102,8 @@ def solver_for(solver_file, net_file, sources: dict, mean=None) -> SGDSolver:
             lp.data_param.source = str(sources["train" if any(r.phase == pb.TRAIN for r in lp.include) else "test"])
             if lp.transform_param.HasField("mean_file"):
                 lp.transform_param.mean_file = str(mean)
+            if prefetch is not None:          # None: unset, the layer's own timed choice
+                lp.data_param.prefetch = prefetch
     param.ClearField("net")
     param.net_param.CopyFrom(net)
     param.test_initialization = False
@@ -116,10 +119,8 @@ def train_share(name, make, iters: int, configs, rounds: int = 3) -> None:
     ``threads`` None: planned from the producer's measured load over 20 warm-up iterations."""
     runs = []
     for label, threads, prefetch in configs:
-        solver = make()
+        solver = make(prefetch)
         layer = next(l for l in solver.net.layer_list if l.type == "Data")
-        if prefetch == 0:
-            layer.prefetcher = None
         if threads is None:
             torch.set_num_threads(usable_cores())
             t0 = time.perf_counter()
@@ -160,17 +161,19 @@ def main() -> None:
         configs = [("prefetch 4, planned", None, 4),
                    ("prefetch 4, 1 torch thread", 1, 4),
                    ("prefetch 4, torch threads = cores", cores, 4),
-                   ("prefetch 0 (load in forward)", cores, 0)]
+                   ("prefetch 0 (load in forward)", cores, 0),
+                   ("prefetch unset (timed choice)", cores, None)]
         print(f"\nTraining from LMDB on {cores} cores: wait = Data forward blocked on the queue")
         print(f"{'net':<15} {'configuration':<34} {'threads':>7} {'ms/iter':>9} {'wait ms':>9} {'wait':>8}")
         mnist = {"train": data["mnist"], "test": data["mnist"]}
         cifar = {"train": data["cifar"], "test": data["cifar"]}
-        train_share("LeNet", lambda: solver_for("bvlc/examples/mnist/lenet_solver.prototxt",
-                                                "bvlc/examples/mnist/lenet_train_test.prototxt", mnist),
+        train_share("LeNet", lambda pf: solver_for("bvlc/examples/mnist/lenet_solver.prototxt",
+                                                   "bvlc/examples/mnist/lenet_train_test.prototxt", mnist,
+                                                   prefetch=pf),
                     args.iters, configs)
-        train_share("CIFAR10-quick", lambda: solver_for(
+        train_share("CIFAR10-quick", lambda pf: solver_for(
             "bvlc/examples/cifar10/cifar10_quick_solver.prototxt",
-            "bvlc/examples/cifar10/cifar10_quick_train_test.prototxt", cifar, data["mean"]),
+            "bvlc/examples/cifar10/cifar10_quick_train_test.prototxt", cifar, data["mean"], prefetch=pf),
             args.cifar_iters, configs)
 
 
