@@ -17,12 +17,14 @@ values without copies. A layer type without a wide form is refused (``FuseError`
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import NetError
 from ..layers import functional as Fn
+from ..layers.loss import FLT_MIN, check_labels, normalizer
 from ..net import _nhwc
 from ..proto import caffe_pb2 as pb
 
@@ -36,6 +38,7 @@ class FuseError(NetError):
 class Val:
     kind: str            # "shared" | "chan" | "stack" | "list"
     t: object            # a tensor, or a list of K tensors for "list"
+    stacked: object = None   # "list" of K 0-D values: the (K,) tensor they are views of
 
     def net(self, k: int, c: int | None = None):
         """Net k's own tensor (``c``: its channel count, for ``chan``)."""
@@ -175,6 +178,41 @@ def _per_net(fn, layer, ins, params, k, channels=None):
     return [Val("list", [o[i] for o in outs]) for i in range(len(outs[0]))]
 
 
+class _WideLogLoss(torch.autograd.Function):
+    """K nets' SoftmaxWithLoss on stacked scores (K, N, C) and shared labels (N,) in one pass:
+    loss_k = -sum_n log(max(p_k[n, label_n], FLT_MIN)) / norm, and Caffe's gradient
+    (p - onehot) g_k / norm, clamped or not (as brewnet/layers/loss.py's one-net form)."""
+
+    @staticmethod
+    def forward(ctx, x, lab, floor, norm):
+        logp = torch.log_softmax(x, 2)
+        rows = torch.zeros_like(x).scatter_(2, lab.expand(x.shape[0], -1, 1), 1.0)
+        ctx.save_for_backward(logp, rows)
+        ctx.norm = norm
+        return -(rows * logp.clamp_min(math.log(floor))).sum((1, 2)) / norm
+
+    @staticmethod
+    def backward(ctx, g):
+        logp, rows = ctx.saved_tensors
+        return (logp.exp() - rows) * (g / ctx.norm)[:, None, None], None, None, None
+
+
+def _softmax_loss(fn, layer, ins, params, k, channels=None):
+    """SoftmaxWithLoss: one wide pass for stacked 2-D scores, shared labels, no ignore_label
+    and one top (per-net losses sum in another order than alone: float32 rounding, as the rest
+    of the fused net); anything else each net's own layer."""
+    x, label = ins
+    if (x.kind != "stack" or x.t.dim() != 3 or label.kind != "shared" or layer.ignore is not None
+            or layer.num_tops != 1 or layer.param.softmax_param.axis not in (1, -1)):
+        return _per_net(fn, layer, ins, params, k, channels)
+    n, c = x.t.shape[1], x.t.shape[2]
+    check_labels(layer, label.t, c)
+    lab = label.t.detach().reshape(1, n, 1).long()
+    norm = normalizer(layer.mode, n, 1)
+    losses = _WideLogLoss.apply(x.t, lab, FLT_MIN, norm)
+    return [Val("list", list(losses.unbind(0)), losses)]
+
+
 WIDE = {
     "Convolution": (_conv, None),
     "InnerProduct": (_inner_product, None),
@@ -184,7 +222,7 @@ WIDE = {
     "Sigmoid": (_same_layout, None),
     "TanH": (_same_layout, None),
     "Dropout": (_same_layout, None),
-    "SoftmaxWithLoss": (_per_net, None),
+    "SoftmaxWithLoss": (_softmax_loss, None),
     "Softmax": (_per_net, None),
     "Accuracy": (_per_net, None),
     "EuclideanLoss": (_per_net, None),
@@ -243,7 +281,7 @@ class FusedNet:
                 if not all(ref.propagate_down[i]):
                     ins = [v if p else _detached(v) for v, p in zip(ins, ref.propagate_down[i])]
                 params = [self.params[j] for j in self.layer_params[i]]
-                if fn is _per_net:
+                if fn in (_per_net, _softmax_loss):
                     tops = fn(arg, layer, ins, params, k, [self.channels[b] for b in ref.bottom_lists[i]])
                 else:
                     tops = fn(arg, layer, ins, params, k)
@@ -251,6 +289,10 @@ class FusedNet:
         total = torch.zeros((), device=ref.device)
         losses = torch.zeros(k, device=ref.device)
         for name, w in ref._loss_weights.items():
+            if vals[name].stacked is not None:        # the wide loss: K losses in one tensor
+                total = total + w * vals[name].stacked.sum()
+                losses += w * vals[name].stacked.detach()
+                continue
             per = [vals[name].net(j, self.channels[name]) for j in range(k)]
             total = total + w * sum(t.sum() for t in per)
             losses += w * torch.stack([t.detach().sum() for t in per])
