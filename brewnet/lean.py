@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 import time
 
 import torch
 
 from .errors import NetError
 from .net import _nhwc
+from .runtime import env_switch
 
 log = logging.getLogger("brewnet")
 AFTER = 10      # whole forwards with the same input shapes before the net is traced
@@ -147,7 +147,7 @@ class LeanForward:
 
     def eligible(self) -> bool:
         net = self.net
-        return (not self.failed and os.environ.get("BREWNET_LEAN", "") != "0" and net.inputs
+        return (not self.failed and env_switch("BREWNET_LEAN", "1", ("0", "1")) == "1" and net.inputs
                 and not net._needs_backward and net.device.type == "cpu"
                 and not any(b._viewed("data") for b in self._middle))
 

@@ -62,12 +62,21 @@ def configure(device=None, keep_memory: bool = False) -> None:
         keep_freed_memory()
 
 
+def env_switch(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    """The value of switch ``name`` (its ``default`` when unset or empty); a value outside
+    ``allowed`` is an error naming the variable, rather than silently taken for the default."""
+    value = os.environ.get(name, "").strip() or default
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+    return value
+
+
 def keep_freed_memory() -> bool:
     """Tune glibc's malloc as described above (once per process); True when it is in effect."""
     if _done:
         return _done[0]
     ok = False
-    if os.environ.get("BREWNET_KEEP_MEMORY", "1") != "0" and platform.libc_ver()[0] == "glibc":
+    if env_switch("BREWNET_KEEP_MEMORY", "1", ("0", "1")) == "1" and platform.libc_ver()[0] == "glibc":
         try:
             mallopt = ctypes.CDLL(None).mallopt
             mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

@@ -119,6 +119,13 @@ def test_lean_inference_default_and_override(monkeypatch, env, lean_on):
     assert (net._lean.gm is not None) == lean_on
 
 
+def test_a_bad_lean_switch_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("BREWNET_LEAN", "yes")
+    net = deploy_net()
+    with pytest.raises(ValueError, match=r"BREWNET_LEAN='yes': expected one of 0, 1"):
+        net.forward()
+
+
 def test_lean_forward_matches_and_keeps_blob_semantics(lean_soon, monkeypatch):
     net = deploy_net()
     rng = np.random.default_rng(2)

@@ -177,3 +177,10 @@ def test_auto_mode_waits_for_a_long_run(monkeypatch):
     assert getattr(s, "_graph", None) is None
     s.step(2)
     assert s._graph.gm is not None
+
+
+def test_a_bad_switch_value_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("BREWNET_STEP_GRAPH", "off")
+    s = make_solver(LOGREG, feed=logreg_feed())
+    with pytest.raises(ValueError, match=r"BREWNET_STEP_GRAPH='off': expected one of auto, 0, 1"):
+        s.step(1)

@@ -35,12 +35,12 @@ kernels round differently.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from contextlib import contextmanager
 
 import torch
 
+from ..runtime import env_switch
 from .graph_ops import split_side_tops, unbox
 
 log = logging.getLogger("brewnet")
@@ -54,7 +54,7 @@ Sigmoid SigmoidCrossEntropyLoss Slice Softmax SoftmaxWithLoss Split TanH""".spli
 
 
 def mode() -> str:
-    return os.environ.get("BREWNET_STEP_GRAPH", "auto")
+    return env_switch("BREWNET_STEP_GRAPH", "auto", ("auto", "0", "1"))
 
 
 def refusal(solver) -> str | None:
