@@ -17,14 +17,13 @@ values without copies. A layer type without a wide form is refused (``FuseError`
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import NetError
 from ..layers import functional as Fn
-from ..layers.loss import FLT_MIN, check_labels, normalizer
+from ..layers.loss import FLT_MIN, _WeightedLogLoss, check_labels, normalizer
 from ..net import _nhwc
 from ..proto import caffe_pb2 as pb
 
@@ -178,25 +177,6 @@ def _per_net(fn, layer, ins, params, k, channels=None):
     return [Val("list", [o[i] for o in outs]) for i in range(len(outs[0]))]
 
 
-class _WideLogLoss(torch.autograd.Function):
-    """K nets' SoftmaxWithLoss on stacked scores (K, N, C) and shared labels (N,) in one pass:
-    loss_k = -sum_n log(max(p_k[n, label_n], FLT_MIN)) / norm, and Caffe's gradient
-    (p - onehot) g_k / norm, clamped or not (as brewnet/layers/loss.py's one-net form)."""
-
-    @staticmethod
-    def forward(ctx, x, lab, floor, norm):
-        logp = torch.log_softmax(x, 2)
-        rows = torch.zeros_like(x).scatter_(2, lab.expand(x.shape[0], -1, 1), 1.0)
-        ctx.save_for_backward(logp, rows)
-        ctx.norm = norm
-        return -(rows * logp.clamp_min(math.log(floor))).sum((1, 2)) / norm
-
-    @staticmethod
-    def backward(ctx, g):
-        logp, rows = ctx.saved_tensors
-        return (logp.exp() - rows) * (g / ctx.norm)[:, None, None], None, None, None
-
-
 def _softmax_loss(fn, layer, ins, params, k, channels=None):
     """SoftmaxWithLoss: one wide pass for stacked 2-D scores, shared labels, no ignore_label
     and one top (per-net losses sum in another order than alone: float32 rounding, as the rest
@@ -207,9 +187,9 @@ def _softmax_loss(fn, layer, ins, params, k, channels=None):
         return _per_net(fn, layer, ins, params, k, channels)
     n, c = x.t.shape[1], x.t.shape[2]
     check_labels(layer, label.t, c)
-    lab = label.t.detach().reshape(1, n, 1).long()
-    norm = normalizer(layer.mode, n, 1)
-    losses = _WideLogLoss.apply(x.t, lab, FLT_MIN, norm)
+    lab = label.t.detach().reshape(1, n, 1).long().expand(k, n, 1)
+    losses = _WeightedLogLoss.apply(x.t, lab, None, None, FLT_MIN, normalizer(layer.mode, n, 1),
+                                    2, True)
     return [Val("list", list(losses.unbind(0)), losses)]
 
 
