@@ -328,7 +328,7 @@ class Solver:
             self._feed(self.net, self.train_feed, self._train_count)
             self._train_count += 1
             if graph is not None:
-                loss = graph.forward_backward(may_capture=True)
+                loss = graph.forward_backward()
             else:
                 loss = self.net.forward_tensors()
                 self.net.backward_tensors(blob_diffs=False)

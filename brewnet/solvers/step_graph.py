@@ -99,7 +99,7 @@ def _deferred_label_checks(record: list):
 
 class StepGraph:
     """One train net's forward-backward: replayed from the recorded graph where it fits,
-    else run eagerly (and recorded, when ``may_capture``)."""
+    else run eagerly (and recorded, a few times at most)."""
 
     def __init__(self, net):
         self.net = net
@@ -114,7 +114,7 @@ class StepGraph:
         self.side, self.side_tops = None, []
         self._core_tops: list[str] = []
 
-    def forward_backward(self, may_capture: bool) -> torch.Tensor:
+    def forward_backward(self) -> torch.Tensor:
         """The weighted loss; param ``.grad`` set as the eager backward sets them."""
         self.drop()
         xs = self._inputs()
@@ -122,7 +122,7 @@ class StepGraph:
             return self._replay(xs)
         self.gm = None
         loss = self._eager(xs)
-        if may_capture and self.captures < 3:
+        if self.captures < 3:
             self.captures += 1
             eager = (loss, self._written(), [p.grad for p in self._params()])
             self.capture(xs, eager)
