@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from . import backprop
 from .blob import Blob
 from .data import layers as _data_layers  # noqa: F401  (registers the database readers)
 from .errors import NetError
@@ -440,7 +441,7 @@ class Net:
         params = [p for p in self._range_params(lo, hi) if p.requires_grad]
         if not blob_diffs:
             if seeds:
-                torch.autograd.backward(seeds, grads, inputs=params)
+                backprop.backward(seeds, grads, params)
             return
         targets: dict[str, torch.Tensor] = {}
         for j in range(lo, hi + 1):
@@ -454,8 +455,8 @@ class Net:
         # No seed (e.g. only a Silence consumes the blobs): every diff in the range is zero.
         got = [None] * (len(names) + len(params))
         if seeds:
-            got = torch.autograd.grad(seeds, [targets[n] for n in names] + params, grads,
-                                      allow_unused=True, retain_graph=True)
+            got = backprop.grad(seeds, [targets[n] for n in names] + params, grads,
+                                retain_graph=True)
         for n, g in zip(names, got[:len(names)]):
             b = self.blobs[n]
             b.write_diff(torch.zeros(b.shape, dtype=b.tensor.dtype, device=b.tensor.device)
@@ -525,7 +526,7 @@ class Net:
         wrt = [b for _, b in wanted] + params
         if not seeds or not wrt:
             return
-        got = torch.autograd.grad(seeds, wrt, grads, allow_unused=True, retain_graph=True)
+        got = backprop.grad(seeds, wrt, grads, retain_graph=True)
         if done is None:
             done = set()
         done.difference_update(self.top_lists[i])      # in place: the top's diff is used up

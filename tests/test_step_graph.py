@@ -184,3 +184,75 @@ def test_a_bad_switch_value_is_a_clear_error(monkeypatch):
     s = make_solver(LOGREG, feed=logreg_feed())
     with pytest.raises(ValueError, match=r"BREWNET_STEP_GRAPH='off': expected one of auto, 0, 1"):
         s.step(1)
+
+
+def test_auto_mode_leaves_kernel_bound_nets_eager(monkeypatch):
+    from brewnet.solvers import step_graph
+
+    monkeypatch.delenv("BREWNET_STEP_GRAPH", raising=False)
+    monkeypatch.setattr(step_graph, "MIN_ITERS", 1)
+    monkeypatch.setattr(step_graph, "MAX_EAGER_S", 0.0)     # every step counts as slow
+    s = make_solver(LOGREG, feed=logreg_feed())
+    s.step(5)
+    assert s._graph.gm is None and s._graph.captures == 0
+    monkeypatch.setattr(step_graph, "MAX_EAGER_S", 10.0)
+    s.step(2)
+    assert s._graph.gm is not None
+
+
+# -- the recorder (brewnet/solvers/graph_record.py) ---------------------------------------------
+def test_recorder_replays_a_function_and_reads_params_by_reference():
+    from brewnet.solvers.graph_record import record
+
+    w = torch.randn(3, 4, requires_grad=True)
+    x = torch.randn(5, 4)
+
+    def f(x):
+        y = torch.relu(x @ w.t())
+        z = torch.zeros_like(y)
+        z.add_(y)                                  # in place on a recorded tensor
+        (g,) = torch.autograd.grad(z.sum(), [w])
+        return z.detach(), g
+
+    gm = record(f, [x])
+    with torch.no_grad():
+        w.mul_(2)                                  # the solver's in-place update
+    x2 = torch.randn(5, 4)
+    for got, want in zip(gm.forward(x2), f(x2)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("body, reason", [
+    (lambda x, w: x * float(x.sum()), "returned float"),          # branched on a value
+    (lambda x, w: x[:2] + torch.from_numpy(x.numpy()[2:]), "shares memory"),   # outside dispatch
+    (lambda x, w: w.add_(x), "writes into a tensor made before"),
+])
+def test_recorder_refuses_what_a_replay_cannot_honour(body, reason):
+    from brewnet.solvers.graph_record import RecordError, record
+
+    w = torch.zeros(4)
+    with pytest.raises(RecordError, match=reason):
+        record(lambda x: (body(x, w),), [torch.randn(4)])
+
+
+def test_first_backward_does_not_import_sympy():
+    """torch.autograd.backward's seed check imports sympy (~0.9 s of a small net's first step);
+    brewnet.backprop calls the engine directly when the seeds match."""
+    import subprocess
+    import sys
+    code = f"""
+import sys, numpy as np, brewnet
+from brewnet.proto import caffe_pb2 as pb, parse_text
+from brewnet.solvers import SOLVERS
+p = parse_text('base_lr: 0.1 lr_policy: "fixed" max_iter: 10 display: 0 solver_mode: CPU',
+               pb.SolverParameter())
+p.net_param.CopyFrom(parse_text({LOGREG!r}, pb.NetParameter()))
+s = SOLVERS["SGD"](p, train_feed=lambda i: {{"data": np.ones((10, 4), np.float32),
+                                             "label": np.zeros(10, np.float32)}})
+s.step(3)
+s.net.forward_tensors(); s.net.backward_tensors()
+print("sympy" in sys.modules, "torch._dynamo" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "BREWNET_STEP_GRAPH": "1"})
+    assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr

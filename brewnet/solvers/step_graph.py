@@ -1,9 +1,9 @@
 """A training net's forward and backward replayed as one recorded graph of aten ops.
 
 On a tiny net most of a step is Python: per layer the executor looks up bottoms and tops,
-writes blobs and reads protobuf params, and autograd walks its graph. ``make_fx`` runs one
-real forward and backward (``torch.autograd.grad`` of the loss with respect to the params)
-under a tracing mode and records the aten ops they dispatch; later iterations call that
+writes blobs and reads protobuf params, and autograd walks its graph. The recorder
+(``graph_record.py``) runs one real forward and backward (the gradient of the loss with respect
+to the params) and writes down the aten ops they dispatch; later iterations call that
 straight-line list. The ops, their order and their arguments are the ones the eager step
 runs, so the loss, every top and every gradient are the same bits (checked: the capture
 iteration runs both and compares them; any difference drops back to the eager step, logged).
@@ -27,26 +27,27 @@ trace that fails. A replay is keyed on the input shapes and the identity of ever
 tensor, so reshapes, ``copy_from`` and net surgery re-trace or fall back.
 ``BREWNET_STEP_GRAPH=0`` turns it off; ``=1`` captures at the first iteration of any run
 (tests); by default it captures when a ``step``/``solve`` has at least ``MIN_ITERS`` left (or
-the solver has run that many in short calls). torch.compile (inductor) over the same graph
-was tried and dropped: on brewing-logreg it gave 309 against the replay's 315 us a step (the
-forward-backward is no longer where the step's time goes) after a 4-20 s compile, and its
-kernels round differently.
+the solver has run that many in short calls), at the second eager step, if that step took
+under ``MAX_EAGER_S``. torch.compile (inductor) over the same graph was tried and dropped: on
+brewing-logreg it gave 309 against the replay's 315 us a step (the forward-backward is no
+longer where the step's time goes) after a 4-20 s compile, and its kernels round differently.
 """
 from __future__ import annotations
 
 import logging
-import threading
+import time
 from contextlib import contextmanager
 
 import torch
 
+from .. import backprop
 from ..runtime import env_switch
 from .graph_ops import split_side_tops, unbox
 
 log = logging.getLogger("brewnet")
-_TRACE_LOCK = threading.Lock()   # make_fx keeps some state per process: one trace at a time
-MIN_ITERS = 5000   # the first capture in a process takes ~2 s (make_fx warming up); it saves
-                   # 0.3-0.5 ms a step on tiny nets: it pays after a few thousand iterations
+MIN_ITERS = 500    # a capture costs ~3 steps and 5-40 ms of recording (graph_record.py); it
+                   # saves 0.3-0.5 ms a step on tiny nets: it pays well within 500 iterations
+MAX_EAGER_S = 0.05  # nets slower than this a step are kernel-bound: the graph saves ~1% (LeNet)
 # Layer types whose forward is a fixed sequence of torch ops on their bottoms and params.
 PURE = frozenset("""AbsVal Accuracy BNLL Bias Concat Convolution Deconvolution Eltwise ELU
 EuclideanLoss Exp Flatten HingeLoss InnerProduct Log LRN Pooling Power PReLU ReLU Reshape Scale
@@ -106,6 +107,7 @@ class StepGraph:
         self.sources = [i for i, b in enumerate(net.bottom_lists) if not b]
         self.gm, self.key = None, None
         self.captures = 0                   # traces tried: reshaping nets get a few, not one a step
+        self.eager_calls = 0
         self.checks: list[tuple] = []       # (layer, graph input index, k, ignore)
         self.params: list[torch.Tensor] = []
         self.has_grad: list[bool] = []
@@ -121,12 +123,21 @@ class StepGraph:
         if self.gm is not None and self._key(xs) == self.key:
             return self._replay(xs)
         self.gm = None
+        t0 = time.perf_counter()
         loss = self._eager(xs)
-        if self.captures < 3:
+        self.eager_calls += 1
+        if self.captures < 3 and self._worth(time.perf_counter() - t0):
             self.captures += 1
             eager = (loss, self._written(), [p.grad for p in self._params()])
             self.capture(xs, eager)
         return loss
+
+    def _worth(self, seconds: float) -> bool:
+        """Whether to record now: at once under ``BREWNET_STEP_GRAPH=1``; else from the second
+        eager step (the first pays one-off costs) when it took under ``MAX_EAGER_S``. A capture
+        costs two more forward-backwards and holds three steps' tensors at once; it saves the
+        per-layer Python, which only matters when the kernels are small."""
+        return mode() == "1" or (self.eager_calls >= 2 and seconds < MAX_EAGER_S)
 
     # -- inputs ---------------------------------------------------------------------------
     def _inputs(self) -> list[torch.Tensor]:
@@ -192,17 +203,17 @@ class StepGraph:
         if any(b._viewed("data") or b._viewed("diff") for b in net.blobs.values()):
             log.debug("step graph: a blob is viewed from numpy")
             return False
-        from torch.fx.experimental.proxy_tensor import make_fx
+        from .graph_record import record as record_graph
 
         self.params = self._params()
         saved = {n: (b._t, b._d, b._owned.copy()) for n, b in net.blobs.items()}
         ran = net._ran
         record: list = []
         try:
-            with _TRACE_LOCK, _deferred_label_checks(record):
-                gm = make_fx(self._traced)(*xs)
-        except Exception as e:       # data-dependent control flow, an op make_fx cannot trace
-            log.debug("step graph: trace failed: %s: %s", type(e).__name__, e)
+            with _deferred_label_checks(record):
+                gm = record_graph(self._traced, xs)
+        except Exception as e:       # data-dependent control flow (RecordError), a failing op
+            log.debug("step graph: trace failed: %s: %s", type(e).__name__, e, exc_info=True)
             return False
         finally:
             for n, (t, d, owned) in saved.items():
@@ -263,7 +274,7 @@ class StepGraph:
             if t.requires_grad:
                 seeds.append(t)
                 seed_grads.append(net.blobs[net.top_lists[j][k]].diff_tensor.to(t.dtype))
-        grads = (torch.autograd.grad(seeds, self.params, seed_grads, allow_unused=True)
+        grads = (backprop.grad(seeds, self.params, seed_grads)
                  if seeds else [None] * len(self.params))
         self.has_grad = [g is not None for g in grads]
         return (loss, *written.values(), *[g for g in grads if g is not None])

@@ -1,0 +1,130 @@
+"""Record the aten ops of one real run of a function as an FX graph (the step graph's tracer).
+
+``make_fx`` would do this too, but its first call in a process imports torch._dynamo and
+torch._inductor (measured: 1.7-2.2 s of a 2.4 s first capture on the brewing-logreg net), which
+is what made a recorded step pay only after thousands of iterations. The recording here is a
+``TorchDispatchMode`` around a real run on the real tensors: every op that reaches the kernels
+(forward and the autograd backward alike) becomes a node whose arguments are the nodes that
+made its tensor arguments. A tensor no recorded op made and that is not an input is a
+constant of the graph, held by reference (the params: the solver updates them in place, so a
+replay reads their current values).
+
+It refuses (``RecordError``) what a straight-line replay cannot honour:
+- an op whose result is not a tensor (``.item()``, ``bool(t)``, ``torch.equal``): the run
+  branched on a value, and a replay would keep this run's branch;
+- a tensor sharing memory with a recorded one yet made outside dispatch (``.data``, numpy):
+  the graph cannot know it changes;
+- an op writing into a constant (a param or a buffer changed during the step).
+"""
+from __future__ import annotations
+
+import operator
+import threading
+
+import torch
+from torch.fx import Graph, GraphModule
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+_LOCK = threading.Lock()   # the mode stack is per thread, but torch keeps module-level flags of it
+
+
+class RecordError(RuntimeError):
+    pass
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr() if t.numel() else 0
+
+
+class _Recorder(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in dynamo's disable, importing torch._dynamo
+        # at the first op (~2 s here); nothing under this mode is ever compiled
+        return False
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.graph = Graph()
+        self.root = torch.nn.Module()
+        self.node: dict[int, torch.fx.Node] = {}
+        self.seen: list[torch.Tensor] = []       # alive while recording: ids stay unique
+        self.made: dict[int, list] = {}          # storage -> [(layout, node)] of recorded tensors
+        self.spans: list[tuple] = []            # (address, bytes) of their storages
+        self.consts: set = set()
+        self.error: str | None = None
+        for i, x in enumerate(inputs):
+            self._bind(x, self.graph.placeholder(f"x{i}"))
+
+    def _bind(self, t: torch.Tensor, node) -> None:
+        self.node[id(t)] = node
+        self.seen.append(t)
+        if _storage(t):
+            self.made.setdefault(_storage(t), []).append((_layout(t), node))
+            self.spans.append((_storage(t), t.untyped_storage().nbytes()))
+
+    def _tensor(self, t: torch.Tensor):
+        node = self.node.get(id(t))
+        if node is not None:
+            return node
+        # an alias made outside dispatch (autograd's saved outputs, .data): the latest
+        # recorded tensor of that memory and layout (after any in-place op on it)
+        for layout, made in reversed(self.made.get(_storage(t), ())):
+            if layout == _layout(t):
+                self.node[id(t)] = made
+                self.seen.append(t)
+                return made
+        if t.numel() and any(a <= t.data_ptr() < a + n for a, n in self.spans):
+            self.error = self.error or "a tensor shares memory with the step's own but no op made it"
+        name = f"_c{len(self.consts)}"
+        setattr(self.root, name, t)
+        self.consts.add(name)
+        node = self.graph.get_attr(name)
+        self.node[id(t)] = node
+        self.seen.append(t)
+        return node
+
+    def arg(self, a):
+        if isinstance(a, torch.Tensor):
+            return self._tensor(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.arg(x) for x in a)
+        return a
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        fargs, fkwargs = self.arg(args), self.arg(kwargs)
+        schema = func._schema
+        for a, spec in zip(fargs, schema.arguments):
+            if (spec.alias_info is not None and spec.alias_info.is_write
+                    and isinstance(a, torch.fx.Node) and a.op == "get_attr"):
+                self.error = self.error or f"{func} writes into a tensor made before the step"
+        out = func(*args, **kwargs)
+        node = self.graph.call_function(func, fargs, fkwargs)
+        if isinstance(out, torch.Tensor):
+            self._bind(out, node)
+        elif isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) or o is None
+                                                   for o in out):
+            for i, o in enumerate(out):
+                if o is not None:
+                    self._bind(o, self.graph.call_function(operator.getitem, (node, i)))
+        elif out is not None:
+            self.error = self.error or f"{func} returned {type(out).__name__} (the run branched on a value)"
+        return out
+
+
+def record(fn, inputs) -> GraphModule:
+    """``fn(*inputs)`` run once for real; the graph of the aten ops it ran, returning what
+    ``fn`` returns (a tuple of tensors)."""
+    rec = _Recorder(inputs)
+    with _LOCK, rec:
+        outs = fn(*inputs)
+    if rec.error:
+        raise RecordError(rec.error)
+    rec.graph.output(tuple(rec.arg(o) for o in outs))
+    return GraphModule(rec.root, rec.graph)
