@@ -14,7 +14,9 @@ that differ only in their random seed are trained each way:
   fused       ``brewnet.many.fused.FusedSolvers`` ("n/a" when it is not installed).
 "step ms" is the wall time of one step of all K nets (after ``--warmup`` steps, over
 ``--steps``; with ``--repeat R`` the median of R measurements taken with the modes in turn);
-"speed-up" is one-by-one's step time over the mode's; "peak MiB" is the peak
+"speed-up" is one-by-one's step time over the mode's; "CPU ms" the CPU time (user + system)
+the mode's processes spent per step of all K nets, summed over processes (how much work a
+mode does, where "step ms" is how long it takes on the cores it can use); "peak MiB" is the peak
 resident memory of the mode's processes, summed over processes. The data is MNIST t10k from
 ``../shared`` converted to an LMDB once (in a temp folder). Every mode trains with torch's
 default threads, as a user's run would (``--threads N`` sets OMP_NUM_THREADS for every process
@@ -89,6 +91,11 @@ def solver_params(net: Path, k: int, work: Path):
             for i in range(k)]
 
 
+def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -106,15 +113,16 @@ def worker(a) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     params = solver_params(Path(a.net), a.k, Path(a.work))
     if a.mode == "one-by-one":
-        total = 0.0
+        total = cpu = 0.0
         for p in params:
             s = get_solver(p, device=device)
             s.step(a.warmup)
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_s()
             s.step(a.steps)
             sync()
             total += time.perf_counter() - t0
+            cpu += cpu_s() - c0
             del s
         wall = total
     else:
@@ -133,12 +141,12 @@ def worker(a) -> dict:
             Path(a.barrier + f".ready{a.index}").touch()
             while not os.path.exists(a.barrier):
                 time.sleep(0.005)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_s()
         runner.step(a.steps)
         sync()
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, cpu_s() - c0
     cuda_peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
-    return {"wall": wall, "peak": peak_mib(), "cuda_peak": cuda_peak}
+    return {"wall": wall, "cpu": cpu, "peak": peak_mib(), "cuda_peak": cuda_peak}
 
 
 def spawn(a, mode, net, k, index=0, barrier=""):
@@ -166,7 +174,8 @@ def cell(a, mode, net, k) -> dict | None:
             return None
     if mode != "processes":
         r = result(spawn(a, mode, net, 1 if mode == "processes" else k))
-        return {"step_ms": 1000 * r["wall"] / a.steps, "peak": r["peak"] + r["cuda_peak"]}
+        return {"step_ms": 1000 * r["wall"] / a.steps, "cpu_ms": 1000 * r["cpu"] / a.steps,
+                "peak": r["peak"] + r["cuda_peak"]}
     barrier = os.path.join(a.work, f"barrier_{net.stem}_{k}")
     procs = [spawn(a, mode, net, 1, i, barrier) for i in range(k)]
     while sum(os.path.exists(barrier + f".ready{i}") for i in range(k)) < k:
@@ -176,6 +185,7 @@ def cell(a, mode, net, k) -> dict | None:
     Path(barrier).touch()
     rs = [result(p) for p in procs]
     return {"step_ms": 1000 * max(r["wall"] for r in rs) / a.steps,
+            "cpu_ms": 1000 * sum(r["cpu"] for r in rs) / a.steps,
             "peak": sum(r["peak"] + r["cuda_peak"] for r in rs)}
 
 
@@ -212,7 +222,8 @@ def main() -> None:
         print(f"many_nets: {a.steps} timed steps after {a.warmup}, device {a.device}, "
               f"{os.cpu_count()} CPUs, torch threads {threads} per process "
               f"(shared machine: compare within this table; load average {os.getloadavg()[0]:.2f})")
-        print(f"{'net':6} {'K':>2} {'mode':11} {'step ms':>9} {'speed-up':>9} {'peak MiB':>9}")
+        print(f"{'net':6} {'K':>2} {'mode':11} {'step ms':>9} {'speed-up':>9} {'CPU ms':>8} "
+              f"{'peak MiB':>9}")
         for name in a.nets.split(","):
             for k in (int(x) for x in a.ks.split(",")):
                 base = None
@@ -223,15 +234,17 @@ def main() -> None:
                 for mode in modes:
                     r = None if None in runs[mode] else {
                         "step_ms": statistics.median(x["step_ms"] for x in runs[mode]),
+                        "cpu_ms": statistics.median(x["cpu_ms"] for x in runs[mode]),
                         "peak": max(x["peak"] for x in runs[mode])}
                     if r is None:
-                        print(f"{name:6} {k:2d} {mode:11} {'n/a':>9} {'n/a':>9} {'n/a':>9}", flush=True)
+                        print(f"{name:6} {k:2d} {mode:11} {'n/a':>9} {'n/a':>9} {'n/a':>8} {'n/a':>9}",
+                              flush=True)
                         continue
                     if mode == "one-by-one":
                         base = r["step_ms"]
                     up = f"{base / r['step_ms']:.2f}x" if base else "-"
-                    print(f"{name:6} {k:2d} {mode:11} {r['step_ms']:9.1f} {up:>9} {r['peak']:9.0f}",
-                          flush=True)
+                    print(f"{name:6} {k:2d} {mode:11} {r['step_ms']:9.1f} {up:>9} {r['cpu_ms']:8.1f} "
+                          f"{r['peak']:9.0f}", flush=True)
         print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 
