@@ -99,6 +99,29 @@ def test_conv_net_on_lmdb_equals_eager_bitwise(monkeypatch, tmp_path):
     assert_same(eager, graph)
 
 
+SHARED = """name: "shared"
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 10 dim: 4 } shape { dim: 10 } } }
+layer { name: "a" type: "InnerProduct" bottom: "data" top: "a" param { name: "w" } param { name: "b" }
+        inner_product_param { num_output: 6 weight_filler { type: "xavier" } } }
+layer { name: "b" type: "InnerProduct" bottom: "data" top: "b" param { name: "w" } param { name: "b" }
+        inner_product_param { num_output: 6 } }
+layer { name: "relu" type: "ReLU" bottom: "a" top: "a" }
+layer { name: "sum" type: "Eltwise" bottom: "a" bottom: "b" top: "sum" }
+layer { name: "cat" type: "Concat" bottom: "sum" bottom: "b" top: "cat" }
+layer { name: "out" type: "InnerProduct" bottom: "cat" top: "out"
+        inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "out" bottom: "label" top: "loss" }
+"""
+
+
+def test_shared_weights_split_blobs_and_in_place_layers_equal_eager_bitwise(monkeypatch):
+    eager, graph = run_both(monkeypatch, lambda: make_solver(SHARED, "Nesterov", logreg_feed()), 20)
+    assert graph._graph.gm is not None
+    assert len(graph._graph.params) == 4          # the shared pair counted once
+    assert_same(eager, graph)
+
+
 def test_lazy_side_top_follows_reads_and_views(monkeypatch):
     monkeypatch.setenv("BREWNET_STEP_GRAPH", "0")
     eager = make_solver(LOGREG, feed=logreg_feed())
