@@ -68,17 +68,23 @@ class _Recorder(TorchDispatchMode):
             self.made.setdefault(_storage(t), []).append((_layout(t), node))
             self.spans.append((_storage(t), t.untyped_storage().nbytes()))
 
+    def _same_view(self, t: torch.Tensor):
+        for layout, node in reversed(self.made.get(_storage(t), ())):
+            if layout == _layout(t):
+                return node
+        return None
+
     def _tensor(self, t: torch.Tensor):
         node = self.node.get(id(t))
         if node is not None:
             return node
         # an alias made outside dispatch (autograd's saved outputs, .data): the latest
         # recorded tensor of that memory and layout (after any in-place op on it)
-        for layout, made in reversed(self.made.get(_storage(t), ())):
-            if layout == _layout(t):
-                self.node[id(t)] = made
-                self.seen.append(t)
-                return made
+        made = self._same_view(t)
+        if made is not None:
+            self.node[id(t)] = made
+            self.seen.append(t)
+            return made
         if t.numel() and any(a <= t.data_ptr() < a + n for a, n in self.spans):
             self.error = self.error or "a tensor shares memory with the step's own but no op made it"
         name = f"_c{len(self.consts)}"
@@ -105,6 +111,13 @@ class _Recorder(TorchDispatchMode):
                     and isinstance(a, torch.fx.Node) and a.op == "get_attr"):
                 self.error = self.error or f"{func} writes into a tensor made before the step"
         out = func(*args, **kwargs)
+        ret = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+        if isinstance(out, torch.Tensor) and ret is not None and not ret.is_write:
+            same = self._same_view(out)       # a view as the memory already was (view to its
+            if same is not None:              # own shape, t of a t, detach): not an op to replay
+                self.node[id(out)] = same
+                self.seen.append(out)
+                return out
         node = self.graph.call_function(func, fargs, fkwargs)
         if isinstance(out, torch.Tensor):
             self._bind(out, node)
