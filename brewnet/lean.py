@@ -30,8 +30,11 @@ On by default; ``BREWNET_LEAN=0`` keeps every forward on the plain path. Measure
 ``Net.forward`` on one thread, interleaved with the plain path in one process (a loaded 2-core
 machine): LeNet at batch 1 ~0.64x the plain path's time, batch 16 ~0.92x; open_nsfw at batch 1
 ~0.78x, CaffeNet ~0.93x (the NHWC weights and the per-layer Python saved); at batch 16 the
-kernels dominate (0.98-1.03x). The trace costs seconds, once per input shape, at the
-``AFTER + 1``-th call (torch.export; logged; left out of the thread timing: brewnet/threads.py).
+kernels dominate (0.98-1.03x). The graph is recorded once per input shape, at the
+``AFTER + 1``-th call, from one run of the folded module (``LeanForward._record``; logged;
+left out of the thread timing: brewnet/threads.py): that call took 0.05 s on LeNet and 0.5 s on
+open_nsfw at batch 1, where torch.export took 3.7 and 5.2 s (its first call in a process imports
+torch._dynamo); export remains the fallback when the recording refuses.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ import torch
 from .errors import NetError
 from .net import _nhwc
 from .runtime import env_switch
+from .solvers.graph_ops import unbox
 
 log = logging.getLogger("brewnet")
 AFTER = 10      # whole forwards with the same input shapes before the net is traced
@@ -90,11 +94,16 @@ def choose_kernels(gm: torch.fx.GraphModule, channels_last: bool) -> int:
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
-        if n.target is aten.conv2d.default:
-            defaults = [None, [1, 1], [0, 0], [1, 1], 1]      # bias, stride, pad, dilation, groups
-            x, w, b, stride, pad, dil, groups = list(n.args) + defaults[len(n.args) - 2:]
+        if n.target in (aten.conv2d.default, aten.convolution.default):
+            if n.target is aten.conv2d.default:     # exported; recorded graphs hold convolution
+                defaults = [None, [1, 1], [0, 0], [1, 1], 1]   # bias, stride, pad, dilation, groups
+                x, w, b, stride, pad, dil, groups = list(n.args) + defaults[len(n.args) - 2:]
+                plain = True
+            else:
+                x, w, b, stride, pad, dil, transposed, out_pad, groups = n.args
+                plain = not transposed and not any(out_pad) and len(stride) == 2
             out = n.meta.get("val")
-            if (n.kwargs or w.op != "get_attr" or out is None or groups != 1
+            if (n.kwargs or not plain or w.op != "get_attr" or out is None or groups != 1
                     or list(dil) != [1, 1]):
                 continue
             weight = operator.attrgetter(w.target)(gm)
@@ -125,10 +134,13 @@ def choose_kernels(gm: torch.fx.GraphModule, channels_last: bool) -> int:
     return changed
 
 
+_CONVS = (aten.conv2d.default, aten.convolution.default, torch.convolution)   # (after unbox)
+
+
 def conv_weights(gm: torch.fx.GraphModule) -> set[str]:
     """The attributes the graph's oneDNN convolutions read as weights."""
     return {n.args[1].target for n in gm.graph.nodes
-            if n.op == "call_function" and n.target is aten.conv2d.default
+            if n.op == "call_function" and n.args and n.target in _CONVS
             and n.args[1].op == "get_attr"}
 
 
@@ -215,16 +227,11 @@ class LeanForward:
         self._stale = []
 
     def _build(self) -> None:
-        from .deploy.graph import _graph_module, traced_program
-
         net = self.net
         self.traces += 1
         t0 = time.perf_counter()
         try:
-            with torch.no_grad():
-                ep, tracee, _ = traced_program(net, fold=True, dynamic_batch=False,
-                                               channels_last=self._cl)
-            self.gm = _graph_module(ep, tracee)
+            self.gm, tracee = self._record()
             choose_kernels(self.gm, self._cl)
         except (NetError, RuntimeError, ValueError, TypeError, NotImplementedError) as e:
             self.failed = True
@@ -235,9 +242,36 @@ class LeanForward:
         self.steps = [(i, end, getattr(self.gm, attr), names,
                        [f"{attr}.{n}" in nhwc for n in names])
                       for i, end, attr, names in tracee.steps if attr is not None]
+        unbox(self.gm)
         self._nhwc_w = {}
         log.info("Net '%s': repeated inference runs as one graph of torch ops (traced in %.2g s)",
                  net.name, time.perf_counter() - t0)
+
+    def _record(self):
+        """(graph, tracee): ``to_torch``'s folded module run once on this call's input shapes
+        and its aten ops recorded (graph_record.py: milliseconds, where torch.export took
+        seconds on its first call in a process). A run that branched on a value goes through
+        torch.export instead."""
+        from .deploy.graph import _graph_module, _Tracee, traced_program
+        from .solvers.graph_record import RecordError, record
+
+        net = self.net
+        with torch.no_grad():
+            tracee = _Tracee(net, fold=True)
+            attrs = {id(t): name for name, t in [*tracee.named_parameters(remove_duplicate=False),
+                                                 *tracee.named_buffers(remove_duplicate=False)]}
+            xs = [torch.randn(net.shapes[n]) for n in net.inputs]
+            xs = [_nhwc(x) if self._cl and x.dim() == 4 else x for x in xs]
+            try:
+                gm = record(lambda *a: tracee(*a), xs, attrs, root=tracee)
+            except RecordError as e:
+                log.debug("Net '%s': lean graph through torch.export (%s)", net.name, e)
+                ep, tracee, _ = traced_program(net, fold=True, dynamic_batch=False,
+                                               channels_last=self._cl)
+                return _graph_module(ep, tracee), tracee
+        for attr in tracee.layer_names:      # the layers' own modules: _bind rebinds their params
+            setattr(gm, attr, getattr(tracee, attr))
+        return gm, tracee
 
     def _bind(self) -> None:
         """Point the graph at the layers' current parameters (folded ones from the cache)."""

@@ -241,3 +241,30 @@ def test_lean_matches_plain_on_models(name, batch, lean_soon, monkeypatch):
         from brewnet import lean
 
         assert sum(n.target is lean.small_conv for n in net._lean.gm.graph.nodes) == 2
+
+
+def test_graph_is_recorded_not_exported(lean_soon, monkeypatch):
+    """The graph comes from one recorded run (milliseconds); torch.export (seconds on its first
+    call in a process) only when the recording refuses, with the same outputs."""
+    from brewnet.deploy import graph as deploy_graph
+    from brewnet.solvers import graph_record
+
+    exported = []
+    real = deploy_graph.traced_program
+    monkeypatch.setattr(deploy_graph, "traced_program", lambda *a, **k: exported.append(1) or real(*a, **k))
+    x = np.random.default_rng(1).standard_normal((2, 3, 10, 10)).astype(np.float32)
+    brewnet.set_random_seed(4)
+    net = brewnet.Net(parse_text(DEPLOY, pb.NetParameter()), brewnet.TEST)
+    for _ in range(3):
+        recorded = net.forward(data=x)["prob"].copy()
+    assert net._lean.gm is not None and not exported
+
+    def refuse(*a, **k):
+        raise graph_record.RecordError("the run branched on a value")
+    monkeypatch.setattr(graph_record, "record", refuse)
+    brewnet.set_random_seed(4)
+    net = brewnet.Net(parse_text(DEPLOY, pb.NetParameter()), brewnet.TEST)
+    for _ in range(3):
+        got = net.forward(data=x)["prob"].copy()
+    assert net._lean.gm is not None and exported
+    np.testing.assert_array_equal(got, recorded)

@@ -48,10 +48,11 @@ class _Recorder(TorchDispatchMode):
         # at the first op (~2 s here); nothing under this mode is ever compiled
         return False
 
-    def __init__(self, inputs):
+    def __init__(self, inputs, attrs=None, root=None):
         super().__init__()
         self.graph = Graph()
-        self.root = torch.nn.Module()
+        self.root = root if root is not None else torch.nn.Module()
+        self.attrs = attrs or {}                 # id(tensor) -> its attribute path on root
         self.node: dict[int, torch.fx.Node] = {}
         self.seen: list[torch.Tensor] = []       # alive while recording: ids stay unique
         self.made: dict[int, list] = {}          # storage -> [(layout, node)] of recorded tensors
@@ -87,9 +88,11 @@ class _Recorder(TorchDispatchMode):
             return made
         if t.numel() and any(a <= t.data_ptr() < a + n for a, n in self.spans):
             self.error = self.error or "a tensor shares memory with the step's own but no op made it"
-        name = f"_c{len(self.consts)}"
-        setattr(self.root, name, t)
-        self.consts.add(name)
+        name = self.attrs.get(id(t))
+        if name is None:
+            name = f"_c{len(self.consts)}"
+            setattr(self.root, name, t)
+            self.consts.add(name)
         node = self.graph.get_attr(name)
         self.node[id(t)] = node
         self.seen.append(t)
@@ -120,6 +123,7 @@ class _Recorder(TorchDispatchMode):
                 return out
         node = self.graph.call_function(func, fargs, fkwargs)
         if isinstance(out, torch.Tensor):
+            node.meta["val"] = torch.empty(out.shape, dtype=out.dtype, device="meta")
             self._bind(out, node)
         elif isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) or o is None
                                                    for o in out):
@@ -131,10 +135,11 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def record(fn, inputs) -> GraphModule:
+def record(fn, inputs, attrs: dict | None = None, root=None) -> GraphModule:
     """``fn(*inputs)`` run once for real; the graph of the aten ops it ran, returning what
-    ``fn`` returns (a tuple of tensors)."""
-    rec = _Recorder(inputs)
+    ``fn`` returns (a tuple of tensors). A tensor in ``attrs`` (id -> attribute path on
+    ``root``) is read from there at each call; other constants are held by the graph."""
+    rec = _Recorder(inputs, attrs, root)
     with _LOCK, rec:
         outs = fn(*inputs)
     if rec.error:
