@@ -57,6 +57,8 @@ SMALL_CONV_FLOPS = 4e6     # convolutions below this (whole batch): torch's own 
 # 400k weights, takes ~130 us on BLAS and ~215 on oneDNN at batch 1)
 GRAPH_DNN_MIN_WEIGHT = 1 << 22
 aten = torch.ops.aten
+_MKLDNN_LINEAR = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+_MKLDNN_LINEAR = getattr(_MKLDNN_LINEAR, "default", None)
 
 
 def _nchw(x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +114,17 @@ def choose_kernels(gm: torch.fx.GraphModule, channels_last: bool) -> int:
             if 2 * out.numel() * weight[0].numel() >= SMALL_CONV_FLOPS:
                 continue
             new = (small_conv, (x, w, b, list(stride), list(pad), channels_last))
+        elif n.target is _MKLDNN_LINEAR and n.args[3:4] == ("none",) and n.args[1].op == "get_attr":
+            # the plain path's oneDNN inner product (2^18 weights or more, recorded): BLAS below
+            # GRAPH_DNN_MIN_WEIGHT, as the exported graph had it
+            x, w, b = n.args[:3]
+            weight = operator.attrgetter(w.target)(gm)
+            out = n.meta.get("val")
+            if weight.numel() >= GRAPH_DNN_MIN_WEIGHT or weight.dim() != 2 or out is None or out.dim() != 2:
+                continue
+            with gm.graph.inserting_before(n):
+                t = gm.graph.call_function(aten.t.default, (w,))
+            new = (aten.addmm.default, (b, x, t)) if b is not None else (aten.mm.default, (x, t))
         elif n.target is aten.addmm.default and _dnn_linear() is not None:
             b, x, t = n.args[:3]
             if (len(n.args) > 3 or n.kwargs or t.op != "call_function"
