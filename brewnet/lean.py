@@ -47,7 +47,7 @@ import torch
 from .errors import NetError
 from .net import _nhwc
 from .runtime import env_switch
-from .solvers.graph_ops import unbox
+from .graph_record import unbox
 
 log = logging.getLogger("brewnet")
 AFTER = 10      # whole forwards with the same input shapes before the net is traced
@@ -120,7 +120,8 @@ def choose_kernels(gm: torch.fx.GraphModule, channels_last: bool) -> int:
             x, w, b = n.args[:3]
             weight = operator.attrgetter(w.target)(gm)
             out = n.meta.get("val")
-            if weight.numel() >= GRAPH_DNN_MIN_WEIGHT or weight.dim() != 2 or out is None or out.dim() != 2:
+            if (weight.numel() >= GRAPH_DNN_MIN_WEIGHT or weight.dim() != 2 or out is None
+                    or out.dim() != 2):
                 continue
             with gm.graph.inserting_before(n):
                 t = gm.graph.call_function(aten.t.default, (w,))
@@ -262,11 +263,11 @@ class LeanForward:
 
     def _record(self):
         """(graph, tracee): ``to_torch``'s folded module run once on this call's input shapes
-        and its aten ops recorded (graph_record.py: milliseconds, where torch.export took
+        and its aten ops recorded (brewnet/graph_record.py: milliseconds, where torch.export took
         seconds on its first call in a process). A run that branched on a value goes through
         torch.export instead."""
         from .deploy.graph import _graph_module, _Tracee, traced_program
-        from .solvers.graph_record import RecordError, record
+        from .graph_record import RecordError, record
 
         net = self.net
         with torch.no_grad():

@@ -247,7 +247,7 @@ def test_graph_is_recorded_not_exported(lean_soon, monkeypatch):
     """The graph comes from one recorded run (milliseconds); torch.export (seconds on its first
     call in a process) only when the recording refuses, with the same outputs."""
     from brewnet.deploy import graph as deploy_graph
-    from brewnet.solvers import graph_record
+    from brewnet import graph_record
 
     exported = []
     real = deploy_graph.traced_program

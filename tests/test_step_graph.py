@@ -223,9 +223,9 @@ def test_auto_mode_leaves_kernel_bound_nets_eager(monkeypatch):
     assert s._graph.gm is not None
 
 
-# -- the recorder (brewnet/solvers/graph_record.py) ---------------------------------------------
+# -- the recorder (brewnet/graph_record.py) ---------------------------------------------
 def test_recorder_replays_a_function_and_reads_params_by_reference():
-    from brewnet.solvers.graph_record import record
+    from brewnet.graph_record import record
 
     w = torch.randn(3, 4, requires_grad=True)
     x = torch.randn(5, 4)
@@ -251,7 +251,7 @@ def test_recorder_replays_a_function_and_reads_params_by_reference():
     (lambda x, w: w.add_(x), "writes into a tensor made before"),
 ])
 def test_recorder_refuses_what_a_replay_cannot_honour(body, reason):
-    from brewnet.solvers.graph_record import RecordError, record
+    from brewnet.graph_record import RecordError, record
 
     w = torch.zeros(4)
     with pytest.raises(RecordError, match=reason):

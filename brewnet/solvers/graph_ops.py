@@ -1,6 +1,5 @@
-"""FX passes over the step graph's recorded forward-backward (brewnet/solvers/step_graph.py):
-splitting off the tops nothing in the step needs, and calling the ops through torch's Python
-bindings."""
+"""FX pass over the step graph's recorded forward-backward (brewnet/solvers/step_graph.py):
+splitting off the tops nothing in the step needs."""
 from __future__ import annotations
 
 import torch
@@ -75,21 +74,3 @@ def split_side_tops(gm, n_tops: int):
             senv[n] = side_g.node_copy(n, lambda a: senv[a])
     side_g.output(tuple(senv[tops[i]] for i in side_idx))
     return (GraphModule(gm, core_g), GraphModule(gm, side_g), side_idx)
-
-
-def unbox(gm) -> None:
-    """Call each recorded aten op through torch's Python binding of the same name (``torch.mm``,
-    ``Tensor.view``): the binding dispatches straight to the kernel, where ``OpOverload``'s
-    boxed call packs and unpacks an argument stack (measured: 1.6x faster on logreg's graph).
-    The binding picks the overload from the same arguments; the capture's bitwise check
-    covers the result. Ops without a binding keep the overload."""
-    from torch._ops import OpOverload
-
-    for node in gm.graph.nodes:
-        op = node.target
-        if node.op == "call_function" and isinstance(op, OpOverload) and op.namespace == "aten":
-            name = op._schema.name.split("::")[1]
-            fn = getattr(torch, name, None) or getattr(torch.Tensor, name, None)
-            if fn is not None:
-                node.target = fn
-    gm.recompile()

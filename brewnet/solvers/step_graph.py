@@ -2,9 +2,9 @@
 
 On a tiny net most of a step is Python: per layer the executor looks up bottoms and tops,
 writes blobs and reads protobuf params, and autograd walks its graph. The recorder
-(``graph_record.py``) runs one real forward and backward (the gradient of the loss with respect
-to the params) and writes down the aten ops they dispatch; later iterations call that
-straight-line list. The ops, their order and their arguments are the ones the eager step
+(``brewnet/graph_record.py``) runs one real forward and backward (the gradient of the loss
+with respect to the params) and writes down the aten ops they dispatch; later iterations call
+that straight-line list. The ops, their order and their arguments are the ones the eager step
 runs, so the loss, every top and every gradient are the same bits (checked: the capture
 iteration runs both and compares them; any difference drops back to the eager step, logged).
 Measured (benchmarks/step_graph.py, a process per mode, 2-core CPU): the brewing-logreg
@@ -19,7 +19,7 @@ What stays outside the graph, run eagerly each iteration:
 - the solver's update (its rate changes every iteration under most lr policies).
 A TRAIN top nothing in the step needs (an Accuracy) is split off and computed when first read
 (``Blob._pending``), from values the step saved. Replayed ops go through torch's Python
-bindings rather than ``OpOverload`` (``graph_ops.unbox``).
+bindings rather than ``OpOverload`` (``graph_record.unbox``).
 Refused (the eager step, with the reason at debug level): a layer type outside ``PURE`` or a
 plugin's class (they may draw random numbers, keep state or branch on values), iter_size > 1,
 force_backward, a net not on the CPU, a blob someone holds a numpy view of at capture, or a
@@ -42,7 +42,8 @@ import torch
 
 from .. import backprop
 from ..runtime import env_switch
-from .graph_ops import split_side_tops, unbox
+from ..graph_record import unbox
+from .graph_ops import split_side_tops
 
 log = logging.getLogger("brewnet")
 MIN_ITERS = 500    # a capture costs ~3 steps and 5-40 ms of recording (graph_record.py); it
@@ -203,7 +204,7 @@ class StepGraph:
         if any(b._viewed("data") or b._viewed("diff") for b in net.blobs.values()):
             log.debug("step graph: a blob is viewed from numpy")
             return False
-        from .graph_record import record as record_graph
+        from ..graph_record import record as record_graph
 
         self.params = self._params()
         saved = {n: (b._t, b._d, b._owned.copy()) for n, b in net.blobs.items()}
