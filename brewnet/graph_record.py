@@ -15,6 +15,9 @@ replay reads their current values).
 It refuses (``RecordError``) what a straight-line replay cannot honour:
 - an op whose result is not a tensor (``.item()``, ``bool(t)``, ``torch.equal``): the run
   branched on a value, and a replay would keep this run's branch;
+- a tensor's values read into Python (``.numpy()``, ``np.asarray``, ``.tolist()``; seen by a
+  ``TorchFunctionMode``, since they dispatch no op): what is computed from them would be a
+  constant of the graph;
 - a tensor sharing memory with a recorded one yet made outside dispatch (``.data``, numpy):
   the graph cannot know it changes;
 - an op writing into a constant (a param or a buffer changed during the step).
@@ -26,6 +29,7 @@ import threading
 
 import torch
 from torch.fx import Graph, GraphModule
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -139,12 +143,27 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+class _ValueReads(TorchFunctionMode):
+    """Flags a tensor's values leaving for Python during the run."""
+    READS = frozenset({torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.tolist})
+
+    def __init__(self, rec):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.rec.error = self.rec.error or (f"Tensor.{func.__name__}() read values into "
+                                                "Python (what follows from them would be fixed)")
+        return func(*args, **(kwargs or {}))
+
+
 def record(fn, inputs, attrs: dict | None = None, root=None) -> GraphModule:
     """``fn(*inputs)`` run once for real; the graph of the aten ops it ran, returning what
     ``fn`` returns (a tuple of tensors). A tensor in ``attrs`` (id -> attribute path on
     ``root``) is read from there at each call; other constants are held by the graph."""
     rec = _Recorder(inputs, attrs, root)
-    with _LOCK, rec:
+    with _LOCK, _ValueReads(rec), rec:
         outs = fn(*inputs)
     if rec.error:
         raise RecordError(rec.error)
