@@ -64,7 +64,7 @@ class _Recorder(TorchDispatchMode):
         self.seen: list[torch.Tensor] = []       # alive while recording: ids stay unique
         self.made: dict[int, list] = {}          # storage -> [(layout, node)] of recorded tensors
         self.spans: list[tuple] = []            # (address, bytes) of their storages
-        self.consts: set = set()
+        self.consts = 0                          # constants the graph holds itself
         self.error: str | None = None
         for i, x in enumerate(inputs):
             self._bind(x, self.graph.placeholder(f"x{i}"))
@@ -97,9 +97,9 @@ class _Recorder(TorchDispatchMode):
             self.error = self.error or "a tensor shares memory with the run's own; no op made it"
         name = self.attrs.get(id(t))
         if name is None:
-            name = f"_c{len(self.consts)}"
+            name = f"_c{self.consts}"
             setattr(self.root, name, t)
-            self.consts.add(name)
+            self.consts += 1
         node = self.graph.get_attr(name)
         self.node[id(t)] = node
         self.seen.append(t)

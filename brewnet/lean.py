@@ -277,7 +277,7 @@ class LeanForward:
             xs = [torch.randn(net.shapes[n]) for n in net.inputs]
             xs = [_nhwc(x) if self._cl and x.dim() == 4 else x for x in xs]
             try:
-                gm = record(lambda *a: tracee(*a), xs, attrs, root=tracee)
+                gm = record(tracee, xs, attrs, root=tracee)
             except RecordError as e:
                 log.debug("Net '%s': lean graph through torch.export (%s)", net.name, e)
                 ep, tracee, _ = traced_program(net, fold=True, dynamic_batch=False,

@@ -113,7 +113,6 @@ class StepGraph:
         self.params: list[torch.Tensor] = []
         self.has_grad: list[bool] = []
         self.tops: list[str] = []           # blobs the graph's forward writes, in output order
-        self._proxies: list = []
         self.side, self.side_tops = None, []
         self._core_tops: list[str] = []
 
@@ -214,7 +213,7 @@ class StepGraph:
             with _deferred_label_checks(record):
                 gm = record_graph(self._traced, xs)
         except Exception as e:       # data-dependent control flow (RecordError), a failing op
-            log.debug("step graph: trace failed: %s: %s", type(e).__name__, e, exc_info=True)
+            log.debug("step graph: trace failed: %s: %s", type(e).__name__, e)
             return False
         finally:
             for n, (t, d, owned) in saved.items():
@@ -224,15 +223,14 @@ class StepGraph:
         self.checks = []
         for layer, label, k, ignore in record:
             # the label reaches the layer detached or reshaped: the same memory as an input
-            idx = [j for j, x in enumerate(self._proxies)
+            idx = [j for j, x in enumerate(xs)
                    if x.data_ptr() == label.data_ptr() and x.numel() == label.numel()]
             if not idx:
                 log.debug("step graph: layer '%s' checks labels computed inside the net", layer.name)
                 return False
             if not any(c[1:] == (idx[0], k, ignore) for c in self.checks):
                 self.checks.append((layer, idx[0], k, ignore))   # Accuracy and loss: one check
-        self._proxies = []
-        for node in list(gm.graph.nodes):       # no autograd at replay: detach is a no-op
+        for node in list(gm.graph.nodes):       # no autograd at replay: a param's detach is a no-op
             if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
                 node.replace_all_uses_with(node.args[0])
                 gm.graph.erase_node(node)
@@ -264,7 +262,6 @@ class StepGraph:
 
     def _traced(self, *xs):
         net = self.net
-        self._proxies = list(xs)
         with self._fed(xs):
             loss = net.forward_tensors()
         written = self._written()
