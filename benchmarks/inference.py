@@ -7,7 +7,9 @@ CaffeNet (random weights written to a temporary .caffemodel by brewnet), brewnet
 p90/p50 of brewnet's calls (steadiness). brewnet runs as a user's script does: plain
 ``caffe.Net(...).forward()``, its own thread choice (``--threads 0``; N fixes both sides to N),
 after warm-up calls (the 11th whole forward is where a net becomes one graph: brewnet/lean.py).
-OpenCV gets the usable cores. Runs are interleaved and the median is taken, since these
+OpenCV gets the usable cores. Column ``torch`` is the floor a PyTorch program of the same net
+meets: the net as one graph of plain torch ops (``brewnet.deploy.to_torch``, folded) called
+under ``torch.inference_mode`` with brewnet's thread count. Runs are interleaved and the median is taken, since these
 machines are shared and noisy.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 MODELS = ROOT.parent / "shared" / "caffe-models"
 
 import brewnet  # noqa: E402
+from brewnet.deploy import to_torch  # noqa: E402
 from timing import timed  # noqa: E402
 
 NETS = {
@@ -52,7 +55,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     print(f"threads={args.threads} repeats={args.repeats} torch={torch.__version__} opencv={cv2.__version__}")
     print(f"{'net':<10} {'batch':>5} {'brewnet ms/img':>15} {'OpenCV ms/img':>14} {'ratio':>7} "
-          f"{'p90/p50':>8} {'threads':>7}  load")
+          f"{'torch ms/img':>13} {'p90/p50':>8} {'threads':>7}  load")
     for name in args.nets.split(","):
         proto, weights = NETS[name]
         proto = str(MODELS / proto)
@@ -64,6 +67,7 @@ def main() -> None:
             weights = str(MODELS / weights)
         bnet = brewnet.Net(proto, brewnet.TEST, weights=weights)
         cnet = cv2.dnn.readNetFromCaffe(proto, weights)
+        plain = to_torch(proto, weights, fold=True)
         in_name = bnet.inputs[0]
         shape = bnet.blobs[in_name].shape
         for batch in (1, 16):
@@ -77,14 +81,22 @@ def main() -> None:
                 cnet.setInput(x)
                 cnet.forward()
 
+            xt = torch.from_numpy(x)
+
+            def run_torch():
+                with torch.inference_mode():
+                    plain(xt)
+
             timed(run_brewnet, 12)                  # past the lean-inference trace
-            tb, tc = [], []
+            tb, tc, tt = [], [], []
             for _ in range(max(1, args.repeats // 5)):  # interleave to share the noise
                 tb += timed(run_brewnet, 5, warmup=1)
                 tc += timed(run_cv, 5, warmup=1)
+                tt += timed(run_torch, 5, warmup=1)   # under the threads brewnet's call left set
             mb, mc = statistics.median(tb) * 1e3 / batch, statistics.median(tc) * 1e3 / batch
+            mt = statistics.median(tt) * 1e3 / batch
             p90 = sorted(tb)[int(0.9 * (len(tb) - 1))] / statistics.median(tb)
-            print(f"{name:<10} {batch:>5} {mb:>15.2f} {mc:>14.2f} {mb / mc:>7.2f} {p90:>8.2f} "
+            print(f"{name:<10} {batch:>5} {mb:>15.2f} {mc:>14.2f} {mb / mc:>7.2f} {mt:>13.2f} {p90:>8.2f} "
                   f"{torch.get_num_threads():>7}  {open('/proc/loadavg').read().split()[0]}", flush=True)
 
 

@@ -2,7 +2,7 @@
 neighbour, in a pycaffe script and through the CLI (issue 14).
 
     python benchmarks/small_nets.py [--nets logreg,ip,lenet] [--conditions idle,spin,brewnet]
-                                    [--paths pycaffe,cli] [--compile-probe] [--wait-policy-probe]
+                                    [--paths pycaffe,cli,torch] [--compile-probe] [--wait-policy-probe]
 
 Workloads (files written to a temporary folder):
 - logreg: Caffe's brewing-logreg net (HDF5Data batch 10 -> InnerProduct 2 -> Accuracy,
@@ -12,6 +12,10 @@ Workloads (files written to a temporary folder):
 - ip: one InnerProduct (784 -> 10) with SoftmaxWithLoss on MNIST t10k as an LMDB (made with
   brewnet's convert_mnist from ../shared's idx files), batch 100.
 - lenet: Caffe's lenet_train_test TRAIN net on the same LMDB, batch 64.
+Path ``torch`` is the floor: the same step written in bare PyTorch (``torch_step``: the batch
+sliced from tensors already in memory, ``F.cross_entropy``, ``torch.autograd.grad``, the SGD
+update with weight decay as four ``_foreach`` ops; the better of 1 and 2 threads), so the goals
+can be read against what PyTorch itself does on this machine in the same run.
 Path ``torch1st`` is the pycaffe script that imports torch before brewnet (libgomp's wait
 policy is then fixed before brewnet can make it passive; see brewnet/threads.py).
 Conditions: idle; one spinning neighbour (``python -c 'while 1: pass'``); a second brewnet
@@ -125,7 +129,63 @@ def worker(folder: Path, name: str) -> None:
     print(json.dumps({"per_step_s": dt / steps, "threads": torch.get_num_threads()}))
 
 
-def run_script(folder: Path, name: str, torch_first: bool = False) -> float:
+def torch_step(name: str):
+    """The net's training step in bare PyTorch, on random data held in memory: no data layer,
+    no Caffe semantics beyond the update rule. One call is one iteration."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    if name == "logreg":
+        model, shape, classes, batch = nn.Linear(4, 2), (4,), 2, 10
+    elif name == "ip":
+        model, shape, classes, batch = nn.Linear(784, 10), (784,), 10, 100
+    else:
+        model = nn.Sequential(nn.Conv2d(1, 20, 5), nn.MaxPool2d(2), nn.Conv2d(20, 50, 5),
+                              nn.MaxPool2d(2), nn.Flatten(), nn.Linear(800, 500), nn.ReLU(),
+                              nn.Linear(500, 10))
+        shape, classes, batch = (1, 28, 28), 10, 64
+    n = 100 * batch
+    data, labels = torch.rand(n, *shape), torch.randint(0, classes, (n,))
+    params = list(model.parameters())
+    hist = [torch.zeros_like(p) for p in params]
+    it = [0]
+
+    def step():
+        i = it[0] = (it[0] + batch) % n
+        loss = F.cross_entropy(model(data[i:i + batch]), labels[i:i + batch])
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            torch._foreach_add_(grads, params, alpha=5e-4)
+            torch._foreach_mul_(hist, 0.9)
+            torch._foreach_add_(hist, grads, alpha=0.01)
+            torch._foreach_sub_(params, hist)
+        return loss
+    return step
+
+
+def torch_worker(name: str) -> None:
+    import torch
+
+    best = float("inf")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        step, steps = torch_step(name), WORK[name][0]
+        for _ in range(max(20, steps // 20)):
+            step()
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        best = min(best, (time.perf_counter() - t) / steps)
+    print(json.dumps({"per_step_s": best}))
+
+
+def run_script(folder: Path, name: str, torch_first: bool = False, bare: bool = False) -> float:
+    if bare:
+        out = subprocess.run([sys.executable, __file__, "--torch-worker", name],
+                             capture_output=True, text=True, env=ENV, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])["per_step_s"]
     env = dict(ENV, SMALL_NETS_TORCH_FIRST="1") if torch_first else ENV
     out = subprocess.run([sys.executable, __file__, "--worker", name, "--folder", str(folder)],
                          capture_output=True, text=True, env=env, check=True)
@@ -226,14 +286,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nets", default=",".join(WORK))
     ap.add_argument("--conditions", default="idle,spin,brewnet")
-    ap.add_argument("--paths", default="pycaffe,cli")
+    ap.add_argument("--paths", default="pycaffe,cli,torch")
     ap.add_argument("--compile-probe", action="store_true")
     ap.add_argument("--wait-policy-probe", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--torch-worker", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(Path(args.folder), args.worker)
+    if args.torch_worker:
+        return torch_worker(args.torch_worker)
     if not (MNIST / "t10k-images-idx3-ubyte.gz").exists():
         sys.exit(f"needs MNIST's idx files in {MNIST}")
     sys.path.insert(0, str(ROOT))
@@ -257,7 +320,8 @@ def main() -> None:
                     if path == "cli":
                         got[cond] = run_cli(folder, name)
                     else:
-                        got[cond] = run_script(folder, name, torch_first=path == "torch1st")
+                        got[cond] = run_script(folder, name, torch_first=path == "torch1st",
+                                               bare=path == "torch")
                 finally:
                     n.close()
             vals = "".join(f"{got[c] * SCALE[unit]:>12.4g}" for c in conditions)
