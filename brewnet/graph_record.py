@@ -171,6 +171,9 @@ def record(fn, inputs, attrs: dict | None = None, root=None) -> GraphModule:
     return GraphModule(rec.root, rec.graph)
 
 
+_TO_KWARGS = frozenset({"dtype", "device", "non_blocking", "memory_format"})
+
+
 def unbox(gm) -> None:
     """Call each recorded aten op through torch's Python binding of the same name (``torch.mm``,
     ``Tensor.view``): the binding dispatches straight to the kernel, where ``OpOverload``'s
@@ -181,7 +184,10 @@ def unbox(gm) -> None:
 
     for node in gm.graph.nodes:
         op = node.target
-        if node.op == "call_function" and isinstance(op, OpOverload) and op.namespace == "aten":
+        if op is torch.ops.aten._to_copy.default and set(node.kwargs) <= _TO_KWARGS:
+            # no binding of its own: Tensor.to with copy=True is _to_copy (3 us less a call)
+            node.target, node.kwargs = torch.Tensor.to, {**node.kwargs, "copy": True}
+        elif node.op == "call_function" and isinstance(op, OpOverload) and op.namespace == "aten":
             name = op._schema.name.split("::")[1]
             fn = getattr(torch, name, None) or getattr(torch.Tensor, name, None)
             if fn is not None:

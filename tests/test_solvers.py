@@ -516,3 +516,15 @@ def test_lenet_mnist_loss_falls():
     print("test:", s.test_scores[0])
     assert curve[0] > 1.0 and max(curve[-5:]) < 0.3 and np.mean(curve[-5:]) < 0.2
     assert s.test_scores[0]["accuracy"] > 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_momentum_as_a_0d_tensor_gives_the_scalar_forms_bits(dtype):
+    from brewnet.solvers.sgd import _scalar
+    for m in (0.9, 0.99, 1 / 3):
+        h = [(torch.randn(300, generator=torch.Generator().manual_seed(k)) * 10).to(dtype)
+             for k in range(2)]
+        ref = [x.clone() for x in h]
+        torch._foreach_mul_(h, _scalar(m, h))
+        torch._foreach_mul_(ref, m)
+        assert all(torch.equal(a, b) for a, b in zip(h, ref))

@@ -122,6 +122,46 @@ def test_shared_weights_split_blobs_and_in_place_layers_equal_eager_bitwise(monk
     assert_same(eager, graph)
 
 
+@pytest.mark.parametrize("extra", ["", "momentum: 0", "regularization_type: 'L1'"])
+def test_long_run_equals_eager_bitwise_with_diffs(monkeypatch, extra):
+    """A few hundred steps under a step lr policy: losses, params, history and the param diffs
+    (which hold the last step, copied in when the run ends) are the eager step's bits."""
+    def make():
+        s = make_solver(LOGREG, feed=logreg_feed())
+        s.param.MergeFrom(parse_text(f'lr_policy: "step" stepsize: 100 gamma: 0.5 {extra}',
+                                     pb.SolverParameter()))
+        s.losses = []
+        s.add_callback(on_gradients=lambda: s.losses.append(s.loss))
+        return s
+    eager, graph = run_both(monkeypatch, make, 300)
+    assert graph._graph.gm is not None
+    assert_same(eager, graph)
+    assert eager.losses == graph.losses
+    for a, b in zip(eager.net.learnable, graph.net.learnable):
+        np.testing.assert_array_equal(a.grad.numpy(), b.grad.numpy())
+
+
+def test_loss_diff_written_after_capture_is_seen(monkeypatch):
+    """The seed over the batch size is computed once at capture; a later write of the loss
+    weight's diff (numpy view or torch) must reach the replay as it reaches the eager step."""
+    def run():
+        s = make_solver(LOGREG, feed=logreg_feed())
+        s.step(5)
+        folded = getattr(s, "_graph", None) is not None and "_folded" in s._graph.gm.code
+        s.net.blobs["loss"].diff[...] = 2.0
+        s.step(5)
+        s.net.blobs["loss"].diff_tensor.mul_(0.25)
+        s.step(5)
+        return s, folded
+    monkeypatch.setenv("BREWNET_STEP_GRAPH", "0")
+    eager, _ = run()
+    monkeypatch.setenv("BREWNET_STEP_GRAPH", "1")
+    graph, folded = run()
+    assert folded
+    assert graph._graph.gm is not None
+    assert_same(eager, graph)
+
+
 def test_lazy_side_top_follows_reads_and_views(monkeypatch):
     monkeypatch.setenv("BREWNET_STEP_GRAPH", "0")
     eager = make_solver(LOGREG, feed=logreg_feed())
@@ -145,6 +185,19 @@ def test_out_of_range_label_is_still_caught(monkeypatch):
     assert s._graph.gm is not None
     with pytest.raises(Exception, match=r"label 7 at position 4 is out of range"):
         s.step(5)
+
+
+def test_bad_label_in_a_replay_raises_the_eager_error(monkeypatch):
+    def first_error(mode):
+        monkeypatch.setenv("BREWNET_STEP_GRAPH", mode)
+        s = make_solver(LOGREG, feed=logreg_feed(bad_at=40))
+        with pytest.raises(Exception) as e:
+            s.step(50)
+        return s, str(e.value)
+    eager, msg = first_error("0")
+    graph, graph_msg = first_error("1")
+    assert graph._graph.gm is not None and graph.iter == eager.iter == 40
+    assert graph_msg == msg and "label 7 at position 4 is out of range" in msg
 
 
 def test_weights_changed_between_steps_are_seen(monkeypatch):

@@ -66,7 +66,7 @@ def check_labels(layer, label: torch.Tensor, k: int, ignore: int | None = None) 
     if ignore is None and label.is_floating_point() and label.numel():
         # one reduction for the common case (a training step's hot path): trunc(x) is in
         # [0, k) iff -1 < x < k; NaN and inf fail it and take the search below
-        lo, hi = torch.aminmax(label.detach())
+        lo, hi = torch.aminmax(label.detach() if label.requires_grad else label)
         if float(lo) > -1 and float(hi) < k:
             return
     lab = label.detach().reshape(-1).trunc()    # Caffe's static_cast<int>

@@ -374,20 +374,29 @@ class Solver:
                 t.grad = torch.zeros_like(t.detach())
             grads.append(t.grad)
         self._clip(grads)
-        norm = f32(1) / f32(p.iter_size)
-        wd = f32(p.weight_decay)
+        norm = float(f32(1) / f32(p.iter_size)) if p.iter_size > 1 else None
         todo = []
         with torch.no_grad():
-            for i, (t, g) in enumerate(zip(net.learnable, grads)):
-                lr_mult = f32(net.lr_mults[i])
+            for i, (t, g, (lr_mult, decay)) in enumerate(zip(net.learnable, grads, self._mults())):
                 if lr_mult == 0 and self.frozen_is_noop and self._history_is_zero(i):
                     g.zero_()
                     continue
                 self._zero_history.discard(i)
-                if p.iter_size > 1:
-                    g.mul_(float(norm))
-                todo.append((i, t, g, float(wd * f32(net.decay_mults[i])), float(rate * lr_mult)))
+                if norm is not None:
+                    g.mul_(norm)
+                todo.append((i, t, g, decay, float(rate * lr_mult)))
             self.update_params(todo, p.regularization_type == "L2", store_step)
+
+    def _mults(self) -> list[tuple]:
+        """(float32 lr_mult, decay) per learnable param; numpy scalar math costs ~1 us an
+        operation, so it is redone only when the mults or the weight decay change."""
+        net, wd = self.net, self.param.weight_decay
+        key = (wd, tuple(net.lr_mults), tuple(net.decay_mults))
+        if getattr(self, "_mults_key", None) != key:
+            self._mults_key = key
+            self._mults_val = [(f32(m), float(f32(wd) * f32(d)))
+                               for m, d in zip(net.lr_mults, net.decay_mults)]
+        return self._mults_val
 
     def _history_is_zero(self, i: int) -> bool:
         """Whether learnable param ``i``'s history is all zeros (then a frozen SGD/Nesterov

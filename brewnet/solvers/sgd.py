@@ -24,27 +24,59 @@ class SGDSolver(Solver):
 
     def compute_updates(self, idx, params, grads, local_rate):
         h = [self.history[i] for i in idx]
-        torch._foreach_mul_(h, float(self.param.momentum))
+        torch._foreach_mul_(h, _scalar(float(self.param.momentum), h))
         torch._foreach_add_(h, grads, alpha=local_rate)
         torch._foreach_copy_(grads, h)
 
     def update_params(self, todo, l2, store_step):
-        # L2 decay with momentum on the CPU: one fused pass (fused.py), the same numbers.
-        momentum = float(self.param.momentum)
-        if (type(self).compute_update is not SGDSolver.compute_update or not l2 or momentum == 0
-                or not self.foreach or not fused_sgd_matches()):
+        if (type(self).compute_update is not SGDSolver.compute_update or not self.foreach
+                or type(self).compute_updates is not SGDSolver.compute_updates):
             return super().update_params(todo, l2, store_step)
-        # Small params: five _foreach ops for all of them cost less than the fused call and
-        # its plain-op tail per param; the fused pass pays where memory traffic dominates.
-        small = [e for e in todo if e[1].numel() < FUSED_MIN]
-        if small:
-            super().update_params(small, l2, store_step)
-            todo = [e for e in todo if e[1].numel() >= FUSED_MIN]
-            if not todo:
-                return
-        rest, pending = sgd_update(todo, self.history, momentum)
-        self._pending_steps += pending
+        momentum = float(self.param.momentum)
+        big = []
+        if l2 and momentum and fused_sgd_matches():
+            # L2 decay with momentum on the CPU: one fused pass (fused.py), the same numbers.
+            # Small params: the _foreach ops below for all of them cost less than the fused
+            # call and its plain-op tail per param; the fused pass pays where memory dominates.
+            big = [e for e in todo if e[1].numel() >= FUSED_MIN]
+            if big:
+                todo = [e for e in todo if e[1].numel() < FUSED_MIN]
+        self._foreach_update(todo, l2, momentum)
+        if big:
+            rest, pending = sgd_update(big, self.history, momentum)
+            self._pending_steps += pending
+            self._foreach_update(rest, l2, momentum)
         if store_step:
             self._store_steps()
-        if rest:
-            super().update_params(rest, l2, store_step)
+
+    def _foreach_update(self, todo, l2, momentum):
+        """The base class's _foreach form, except that the param moves by the history (the
+        step) and copying it into the diff is left to ``_store_steps``: one op less a step."""
+        groups: dict[tuple[float, float], list] = {}
+        for i, t, g, decay, rate in todo:
+            groups.setdefault((decay, rate), []).append((i, t, g))
+        for (decay, rate), items in groups.items():
+            idx, ts, gs = (list(x) for x in zip(*items))
+            if decay:
+                torch._foreach_add_(gs, ts if l2 else torch._foreach_sign(ts), alpha=decay)
+            h = [self.history[i] for i in idx]
+            torch._foreach_mul_(h, _scalar(momentum, h))
+            torch._foreach_add_(h, gs, alpha=rate)
+            torch._foreach_sub_(ts, h)
+            self._pending_steps += zip(gs, h)
+
+
+_SCALARS: dict = {}
+
+
+def _scalar(x: float, ts: list):
+    """``x`` as a 0-d tensor of the tensors' dtype when they share one: _foreach_mul_ by it
+    gives the bits of the Python-scalar form (which rounds ``x`` to that dtype too) without
+    its per-tensor scalar wrapping and cast (measured: 3.5 against 8.7 us for two tensors)."""
+    t0 = ts[0]
+    if not t0.is_cpu or any(t.dtype != t0.dtype for t in ts):
+        return x
+    m = _SCALARS.get((x, t0.dtype))
+    if m is None:
+        m = _SCALARS[(x, t0.dtype)] = torch.tensor(x, dtype=t0.dtype)
+    return m

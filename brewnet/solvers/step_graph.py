@@ -99,6 +99,46 @@ def _deferred_label_checks(record: list):
         loss.DEFERRED.record = None
 
 
+def _fold(gm, consts: list) -> None:
+    """Compute once the nodes that read only ``consts`` (seed diffs whose memory nobody else
+    can write: a blob hands out a view only of memory of its own, Blob._own) and literals, e.g.
+    the loss seed over the batch size: a replay would get the same bits every step. Not the
+    params (updated in place) nor views of them; not a value the graph returns or writes into."""
+    from torch._ops import OpOverload
+
+    ids = {id(c) for c in consts}
+    vals = {n: getattr(gm, n.target) for n in gm.graph.nodes
+            if n.op == "get_attr" and id(getattr(gm, n.target)) in ids}
+    for node in list(gm.graph.nodes):
+        op = node.target
+        if (node.op != "call_function" or not isinstance(op, OpOverload)
+                or torch.Tag.nondeterministic_seeded in op.tags
+                or any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+                or not node.all_input_nodes or not all(n in vals for n in node.all_input_nodes)
+                or any(u.op == "output" or _writes(u, node) for u in node.users)):
+            continue
+        with torch.no_grad():
+            value = op(*torch.fx.node.map_arg(node.args, vals.get),
+                       **torch.fx.node.map_arg(node.kwargs, vals.get))
+        name = f"_folded{len(vals)}"
+        gm.register_buffer(name, value, persistent=False)
+        with gm.graph.inserting_before(node):
+            const = gm.graph.get_attr(name)
+        node.replace_all_uses_with(const)
+        gm.graph.erase_node(node)
+        vals[const] = value
+    gm.graph.eliminate_dead_code()
+
+
+def _writes(user, node) -> bool:
+    """Whether op node ``user`` writes into its argument ``node`` (or its op is unknown)."""
+    op = user.target
+    if not hasattr(op, "_schema"):
+        return True
+    return any(a is node and s.alias_info is not None and s.alias_info.is_write
+               for a, s in zip(user.args, op._schema.arguments))
+
+
 class StepGraph:
     """One train net's forward-backward: replayed from the recorded graph where it fits,
     else run eagerly (and recorded, a few times at most)."""
@@ -115,6 +155,7 @@ class StepGraph:
         self.tops: list[str] = []           # blobs the graph's forward writes, in output order
         self.side, self.side_tops = None, []
         self._core_tops: list[str] = []
+        self.seeds: list[tuple] = []        # (blob, its diff tensor) seeding the backward
 
     def forward_backward(self) -> torch.Tensor:
         """The weighted loss; param ``.grad`` set as the eager backward sets them."""
@@ -154,8 +195,11 @@ class StepGraph:
         return xs
 
     def _key(self, xs) -> tuple:
+        # the seed diffs are held by the graph (folded, see _fold): a new diff tensor (a numpy
+        # view handed out gives the blob one, Blob._own) or a torch write re-traces
         return (tuple((tuple(x.shape), x.dtype) for x in xs),
-                tuple(id(t) for layer in self.net.layer_list for t in layer.blobs))
+                tuple(id(t) for layer in self.net.layer_list for t in layer.blobs),
+                tuple((id(b._d), b._d._version) for b, _ in self.seeds))
 
     @contextmanager
     def _fed(self, xs):
@@ -205,7 +249,7 @@ class StepGraph:
             return False
         from ..graph_record import record as record_graph
 
-        self.params = self._params()
+        self.params, self.seeds = self._params(), []
         saved = {n: (b._t, b._d, b._owned.copy()) for n, b in net.blobs.items()}
         ran = net._ran
         record: list = []
@@ -235,6 +279,7 @@ class StepGraph:
                 node.replace_all_uses_with(node.args[0])
                 gm.graph.erase_node(node)
         gm.graph.eliminate_dead_code()
+        _fold(gm, [d for b, d in self.seeds if not b._owned["diff"]])
         gm.recompile()
         self.gm, self.key = gm, self._key(xs)
         self.side, self.side_tops = None, []
@@ -271,7 +316,9 @@ class StepGraph:
             t = net._ran[j][1][k]
             if t.requires_grad:
                 seeds.append(t)
-                seed_grads.append(net.blobs[net.top_lists[j][k]].diff_tensor.to(t.dtype))
+                blob = net.blobs[net.top_lists[j][k]]
+                seed_grads.append(blob.diff_tensor.to(t.dtype))
+                self.seeds.append((blob, blob.diff_tensor))
         grads = (backprop.grad(seeds, self.params, seed_grads)
                  if seeds else [None] * len(self.params))
         self.has_grad = [g is not None for g in grads]
@@ -286,7 +333,7 @@ class StepGraph:
             check_labels(layer, xs[j], k, ignore)
         core = self._core_tops
         grad_mode = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
+        torch._C._set_grad_enabled(False)     # not torch.set_grad_enabled: an object per call
         try:
             out = self.gm.forward(*xs)       # not Module.__call__: no hooks to look for
             n = len(core)
@@ -301,7 +348,7 @@ class StepGraph:
                 else:
                     tops.update(zip(self.side_tops, self.side.forward(*out[i:])))
         finally:
-            torch.set_grad_enabled(grad_mode)
+            torch._C._set_grad_enabled(grad_mode)
         return out[0], tops, grads
 
     def _mark_stale(self, cut) -> None:
