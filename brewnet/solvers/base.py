@@ -45,6 +45,19 @@ def register(type_name: str):
     return wrap
 
 
+def regularized_groups(todo, l2: bool):
+    """The (index, param, diff, decay, rate) entries of ``todo`` grouped by (decay, rate), each
+    group's diffs regularised in one ``_foreach`` op: yields (indices, params, diffs, rate)."""
+    groups: dict[tuple[float, float], list] = {}
+    for i, t, g, decay, rate in todo:
+        groups.setdefault((decay, rate), []).append((i, t, g))
+    for (decay, rate), items in groups.items():
+        idx, ts, gs = (list(x) for x in zip(*items))
+        if decay:
+            torch._foreach_add_(gs, ts if l2 else torch._foreach_sign(ts), alpha=decay)
+        yield idx, ts, gs, rate
+
+
 class Solver:
     """Caffe's solver over a train net and its test nets (pycaffe's ``caffe.SGDSolver`` etc.).
 
@@ -145,13 +158,7 @@ class Solver:
                 self.compute_update(i, t, g, rate)
                 t.sub_(g)
             return
-        groups: dict[tuple[float, float], list] = {}
-        for i, t, g, decay, rate in todo:
-            groups.setdefault((decay, rate), []).append((i, t, g))
-        for (decay, rate), items in groups.items():
-            idx, ts, gs = (list(x) for x in zip(*items))
-            if decay:
-                torch._foreach_add_(gs, ts if l2 else torch._foreach_sign(ts), alpha=decay)
+        for idx, ts, gs, rate in regularized_groups(todo, l2):
             self.compute_updates(idx, ts, gs, rate)
             torch._foreach_sub_(ts, gs)
 

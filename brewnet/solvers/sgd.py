@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Solver, register
+from .base import Solver, register, regularized_groups
 from .fused import FUSED_MIN, fused_sgd_matches, sgd_update
 
 
@@ -52,13 +52,7 @@ class SGDSolver(Solver):
     def _foreach_update(self, todo, l2, momentum):
         """The base class's _foreach form, except that the param moves by the history (the
         step) and copying it into the diff is left to ``_store_steps``: one op less a step."""
-        groups: dict[tuple[float, float], list] = {}
-        for i, t, g, decay, rate in todo:
-            groups.setdefault((decay, rate), []).append((i, t, g))
-        for (decay, rate), items in groups.items():
-            idx, ts, gs = (list(x) for x in zip(*items))
-            if decay:
-                torch._foreach_add_(gs, ts if l2 else torch._foreach_sign(ts), alpha=decay)
+        for idx, ts, gs, rate in regularized_groups(todo, l2):
             h = [self.history[i] for i in idx]
             torch._foreach_mul_(h, _scalar(momentum, h))
             torch._foreach_add_(h, gs, alpha=rate)
