@@ -182,12 +182,9 @@ def torch_worker(name: str) -> None:
 
 
 def run_script(folder: Path, name: str, torch_first: bool = False, bare: bool = False) -> float:
-    if bare:
-        out = subprocess.run([sys.executable, __file__, "--torch-worker", name],
-                             capture_output=True, text=True, env=ENV, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])["per_step_s"]
     env = dict(ENV, SMALL_NETS_TORCH_FIRST="1") if torch_first else ENV
-    out = subprocess.run([sys.executable, __file__, "--worker", name, "--folder", str(folder)],
+    args = ["--torch-worker", name] if bare else ["--worker", name, "--folder", str(folder)]
+    out = subprocess.run([sys.executable, __file__, *args],
                          capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["per_step_s"]
 

@@ -113,7 +113,7 @@ def _fold(gm, consts: list) -> None:
         op = node.target
         if (node.op != "call_function" or not isinstance(op, OpOverload)
                 or torch.Tag.nondeterministic_seeded in op.tags
-                or any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+                or _written(op)
                 or not node.all_input_nodes or not all(n in vals for n in node.all_input_nodes)
                 or any(u.op == "output" or _writes(u, node) for u in node.users)):
             continue
@@ -130,13 +130,18 @@ def _fold(gm, consts: list) -> None:
     gm.graph.eliminate_dead_code()
 
 
+def _written(op) -> list[int]:
+    """The positions of the arguments op overload ``op`` writes into."""
+    return [i for i, a in enumerate(op._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
 def _writes(user, node) -> bool:
     """Whether op node ``user`` writes into its argument ``node`` (or its op is unknown)."""
     op = user.target
     if not hasattr(op, "_schema"):
         return True
-    return any(a is node and s.alias_info is not None and s.alias_info.is_write
-               for a, s in zip(user.args, op._schema.arguments))
+    return any(i < len(user.args) and user.args[i] is node for i in _written(op))
 
 
 class StepGraph:
