@@ -20,11 +20,16 @@ _spinning = "torch" in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ
 if "torch" not in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
+# MKL's matrix products in one order whatever the thread count (brewnet/determinism.py); MKL
+# reads this at its first call, so it still takes effect when torch was imported first.
+_os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 from . import threads as _threads  # noqa: E402
 _threads.SPINNING = _spinning     # torch came first: libgomp spins while its threads wait
 from . import layers  # noqa: E402  (also NetSpec's L: layers.Convolution(...))
 from .data import layers as _data_layers  # noqa: E402,F401  (registers Data, ImageData, HDF5Data...)
 from .deploy import to_torch  # noqa: E402
+from .determinism import is_deterministic, set_deterministic  # noqa: E402
 from . import video  # noqa: E402,F401  (brewnet.video.VideoNet)
 from .surgery import fully_convolutional  # noqa: E402
 from .layers import layer_types as _layer_types  # noqa: E402
@@ -53,5 +58,5 @@ __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu"
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
            "Layer", "register_layer", "Classifier", "Detector", "coord_map", "draw", "layers",
            "params", "NetSpec", "to_proto", "to_torch", "merge_indep_net_spec", "merge_nets",
-           "fully_convolutional", "__version__", "NCCL", "has_nccl", "set_solver_count",
+           "fully_convolutional", "set_deterministic", "is_deterministic", "__version__", "NCCL", "has_nccl", "set_solver_count",
            "set_solver_rank", "set_multiprocess", "solver_count", "solver_rank", "init_log", "log"]

@@ -14,6 +14,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from .. import determinism
+
 FLT_MAX = 3.4028234663852886e38   # Caffe's start value for MAX pooling (-FLT_MAX)
 FLT_MIN = 1.1754943508222875e-38  # Caffe's start value for the STOCHASTIC TEST denominator
 
@@ -305,6 +307,46 @@ def _pad_for_caffe(x: torch.Tensor, kernel, stride, pad, dilation):
     return x
 
 
+def _thread_invariant_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A CPU float32 convolution whose weight gradient is wanted: its backward is ``_Conv2d``'s."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and weight.requires_grad and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
+
+
+class _Conv2d(torch.autograd.Function):
+    """torch's 2-D convolution (oneDNN) with a weight gradient of the same bits on every thread
+    count: oneDNN's where it has them, else Caffe's per-image im2col product
+    (brewnet/determinism.py). The input gradient is oneDNN's (one thread per output element)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, stride, pad, dilation, groups):
+        ctx.save_for_backward(x, w)
+        ctx.conv = (stride, pad, dilation, groups)
+        ctx.has_bias = b is not None
+        return F.conv2d(x, w, b, stride, pad, dilation, groups)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        stride, pad, dilation, groups = ctx.conv
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        if determinism.onednn_invariant(x, w, stride, pad, dilation, groups):
+            dx, dw, db = torch.ops.aten.convolution_backward(
+                dy, x, w, [w.shape[0]], list(stride), list(pad), list(dilation), False, [0, 0],
+                groups, [need_x, need_w, need_b])
+            return dx, dw, db, None, None, None, None
+        dx = None
+        if need_x:
+            dx = torch.ops.aten.convolution_backward(
+                dy, x, w, [w.shape[0]], list(stride), list(pad), list(dilation), False, [0, 0],
+                groups, [True, False, False])[0]
+        dw, db = determinism.per_image_wgrad(dy, x, w, stride, pad, dilation, groups, need_b)
+        return dx, dw if need_w else None, db, None, None, None, None
+
+
 def conv_nd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Ints,
             pad: Ints, dilation: Ints, groups: int) -> torch.Tensor:
     """Caffe convolution (cross-correlation) of (N, C, *spatial) with any number of spatial dims;
@@ -315,6 +357,8 @@ def conv_nd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, st
         return conv_nd(x[..., None], weight[..., None], bias, (1,), (0,), (1,), groups)[..., 0]
     kernel = weight.shape[2:]
     x = _pad_for_caffe(x, kernel, stride, pad, dilation)
+    if d == 2 and _thread_invariant_grad(x, weight):
+        return _Conv2d.apply(x, weight, bias, tuple(stride), tuple(pad), tuple(dilation), groups)
     if d in _CONV:
         return _CONV[d](x, weight, bias, tuple(stride), tuple(pad), tuple(dilation), groups)
     out_sz = [conv_out_size(s, k, st, p, dl) for s, k, st, p, dl

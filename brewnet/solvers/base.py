@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from .. import runtime, threads
+from .. import determinism, runtime, threads
 from ..blob import diff_viewed
 from ..data import cursors
 from ..net import Net
@@ -115,6 +115,7 @@ class Solver:
         self._zero_history: set[int] = set()      # learnable indices whose history is all 0
         # torch's threads for this net's steps: fixed for the run (reproducible numbers)
         self.threads = threads.Tuner(self.net, timed=threads.timed_training())
+        determinism.prepare(self.net)
         self.restored_cursors: list | None = None  # every rank's data cursors, from restore()
         self.replicas = None    # brewnet.parallel.Replicas when other workers train with this one
         log.info("Solver scaffolding done.")
@@ -246,6 +247,7 @@ class Solver:
                 on_start and on_start()
             display = p.display and self.iter % p.display == 0
             with self.threads:           # times the iteration for the thread choice
+                determinism.blas_on_one_thread()    # after the count is set: it resets MKL's
                 self._iters_left = stop_iter - self.iter     # for the step graph's choice
                 self.loss = self._forward_backward()
                 self._update_smoothed_loss(self.loss, start_iter)

@@ -48,6 +48,9 @@ def add_arguments(p) -> None:
                    help="pretrained .caffemodel(s) to finetune from, separated by ','")
     p.add_argument("--snapshot", "-snapshot", default="", metavar="S",
                    help="a .solverstate[.h5] to resume training from")
+    p.add_argument("--deterministic", "-deterministic", action="store_true",
+                   help="the same bits on any thread count and any machine of this CPU "
+                        "architecture, at some cost in speed (BREWNET_DETERMINISTIC=1)")
     add_gpu_flag(p)
     p.add_argument("--workers", "-workers", type=int, default=None, metavar="N",
                    help="train on N CPU worker processes (data parallel, gloo)")
@@ -120,6 +123,13 @@ def run(args) -> int:
     from ..analysis.glog import setup_logging
 
     setup_logging()
+    if args.deterministic:
+        import os
+
+        from ..determinism import set_deterministic
+
+        os.environ["BREWNET_DETERMINISTIC"] = "1"      # data-parallel workers inherit it
+        set_deterministic(True)
     if args.snapshot and args.weights:
         return report(COMMAND, "Give a snapshot to resume training or weights to finetune but not both.")
     if args.resume and args.snapshot:

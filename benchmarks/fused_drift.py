@@ -1,0 +1,127 @@
+"""How far a fused member is from the same net trained alone, next to the float32 noise floor.
+
+    python benchmarks/fused_drift.py [--iters 1,10,50,500] [--k 4] [--seeds 1]
+
+Four LeNets on real MNIST (t10k from ``../shared``, converted to an LMDB once; batch 64; SGD
+momentum 0.9, ``inv``, weight_decay 5e-4, base_lr 0.01 / 0.005 / 0.02 / 0.001, seeds
+``--seeds`` .. +3) are trained fused (``FusedSolvers``) and each alone, with the defaults a user
+has. "fused" is max over the net's param blobs of max|fused - alone| / max|alone| after each
+count of iterations; "floor" is the same measure for the net alone started one ulp away (every
+initial weight moved to the next float32 up): how far float32 noise alone carries that run.
+"bitwise blobs" counts the net's blobs whose fused values equal alone's bit for bit.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED = Path(os.environ.get("BREWNET_SHARED") or ROOT.parent / "shared")
+T10K = SHARED / "caffe-models" / "trained" / "mnist_t10k" / "data" / "mnist"
+LENET = ROOT / "examples" / "mnist" / "lenet_train_test.prototxt"
+RATES = (0.01, 0.005, 0.02, 0.001)
+
+
+def prepare(work: Path) -> Path:
+    from brewnet.cli import main
+    from brewnet.proto import caffe_pb2 as pb
+    from brewnet.proto.io import read_net, write_text
+
+    lmdb = work / "mnist_t10k_lmdb"
+    assert main(["convert-mnist", str(T10K / "t10k-images-idx3-ubyte.gz"),
+                 str(T10K / "t10k-labels-idx1-ubyte.gz"), str(lmdb)]) == 0
+    lenet = read_net(str(LENET))
+    keep = pb.NetParameter()
+    keep.CopyFrom(lenet)
+    del keep.layer[:]
+    for layer in lenet.layer:
+        if any(r.phase == pb.TEST for r in layer.include):
+            continue
+        if layer.type == "Data":
+            layer.data_param.source, layer.data_param.batch_size = str(lmdb), 64
+        keep.layer.add().CopyFrom(layer)
+    write_text(work / "lenet.prototxt", keep)
+    return work / "lenet.prototxt"
+
+
+def params(net: Path, work: Path, k: int, seed0: int):
+    from brewnet.proto import caffe_pb2 as pb
+    from brewnet.proto.io import parse_text
+
+    return [parse_text(f'net: "{net}" base_lr: {RATES[i % 4]} momentum: 0.9 weight_decay: 0.0005 '
+                       f'lr_policy: "inv" gamma: 0.0001 power: 0.75 max_iter: 100000 display: 0 '
+                       f'snapshot: 0 random_seed: {seed0 + i} snapshot_prefix: "{work / f"s{i}"}"',
+                       pb.SolverParameter()) for i in range(k)]
+
+
+def snap(net) -> list:
+    return [p.detach().clone() for p in net.learnable]
+
+
+def rel(a: list, b: list) -> float:
+    return max(float((x.double() - y.double()).abs().max() / y.double().abs().max().clamp_min(1e-30))
+               for x, y in zip(a, b))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", default="1,10,50,500")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--seeds", type=int, default=1)
+    a = ap.parse_args()
+    import logging
+
+    import torch
+
+    import brewnet  # noqa: F401  (before torch's first use: brewnet/threads.py)
+    from brewnet.many.fused import FusedSolvers
+    from brewnet.solvers import SOLVERS
+
+    logging.getLogger("brewnet").setLevel(logging.WARNING)
+    marks = [int(x) for x in a.iters.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        ps = params(prepare(work), work, a.k, a.seeds)
+        fs = FusedSolvers(ps, device="cpu")
+        fused, done = {}, 0
+        for m in marks:
+            fs.step(m - done)
+            done = m
+            fused[m] = [snap(s.net) for s in fs.solvers]
+        alone, floor = {m: [] for m in marks}, {m: [] for m in marks}
+        for p in ps:
+            for shifted in (False, True):
+                s = SOLVERS[p.type](p, device="cpu")
+                if shifted:
+                    with torch.no_grad():
+                        for t in s.net.learnable:
+                            t.copy_(torch.nextafter(t, torch.full_like(t, float("inf"))))
+                done = 0
+                for m in marks:
+                    s.step(m - done)
+                    done = m
+                    (floor if shifted else alone)[m].append(snap(s.net))
+    names = ["conv1.w", "conv1.b", "conv2.w", "conv2.b", "ip1.w", "ip1.b", "ip2.w", "ip2.b"]
+    print(f"| net | base_lr | " + " | ".join(f"{m} it: fused / floor" for m in marks)
+          + " | bitwise blobs at each |")
+    print("|---|---|" + "---|" * len(marks) + "---|")
+    for k in range(a.k):
+        cells = [f"{rel(fused[m][k], alone[m][k]):.1e} / {rel(floor[m][k], alone[m][k]):.1e}"
+                 for m in marks]
+        bits = [sum(torch.equal(x, y) for x, y in zip(fused[m][k], alone[m][k])) for m in marks]
+        print(f"| s{k} | {RATES[k % 4]} | " + " | ".join(cells) + " | "
+              + ", ".join(f"{b}/{len(names)}" for b in bits) + " |")
+    m = marks[min(2, len(marks) - 1)]
+    print(f"\nPer blob after {m} iterations (fused vs alone, relative):\n")
+    print("| net | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+    for k in range(a.k):
+        print(f"| s{k} | " + " | ".join(f"{rel([x], [y]):.1e}" for x, y
+                                         in zip(fused[m][k], alone[m][k])) + " |")
+
+
+if __name__ == "__main__":
+    main()

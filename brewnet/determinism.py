@@ -1,0 +1,265 @@
+"""The same bits on any thread count: which kernels do, and the switch for the ones that may not.
+
+A training run's numbers must not depend on how many torch threads run it: the thread count
+follows the net's size and the machine's cores (brewnet/threads.py), so otherwise a net trained
+in a merged or together run (other counts) or on another machine would end with other weights
+than the same net trained alone. Measured per layer and thread count by
+``benchmarks/thread_bits.py``; three kinds of kernel split a sum between threads:
+
+- **BLAS matrix products** (small InnerProducts, im2col convolutions): MKL splits the inner
+  dimension for skinny shapes (LeNet ip2's weight gradient: 1 and 2 threads differ). MKL's
+  strict conditional numerical reproducibility (``MKL_CBWR=AUTO,STRICT``, set on ``import
+  brewnet`` unless the variable is set) keeps one order for most shapes, but not the tiniest
+  (10 x 16 x 64 still differs here, an AMD CPU), so a training thread also runs MKL on one
+  thread (``blas_on_one_thread``): the products left to MKL are small, where one thread is
+  as fast. Larger InnerProducts use oneDNN's, which kept its bits on 1, 2 and 4 threads for
+  every shape tried. MKL reads ``MKL_CBWR`` at its first call: a process that multiplied
+  matrices before importing brewnet keeps MKL's default (the log warns once).
+- **oneDNN's convolution weight gradient** reduces the batch with one partial sum per thread for
+  some shapes (LeNet's convolutions: few channels) and not for others (CIFAR-10's). Each
+  convolution shape is checked once: the oneDNN weight gradient on 1 thread and on each count
+  brewnet may use here (``counts()``); where they differ, that layer's weight and bias gradients
+  come from im2col and one matrix product per image instead (Caffe's own formulation; thread
+  invariant through BLAS), elsewhere oneDNN stays (faster).
+- **Full reductions** of more than 32768 elements to one number (a loss over a large blob):
+  ATen sums one part per thread; ``fixed_sum`` sums rows of a fixed width, then the row sums.
+
+**Deterministic mode** (``set_deterministic(True)``, ``BREWNET_DETERMINISTIC=1``, ``brewnet
+train --deterministic``): every convolution's weight gradient takes the per-image path without
+asking oneDNN, so a run's bits hold on any thread count and on any machine of the same CPU
+architecture (the check above only covers this machine's counts); it costs what oneDNN's
+faster weight gradient saved (``benchmarks/thread_bits.py`` measures it).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import threading
+
+import torch
+
+from . import threads
+
+log = logging.getLogger("brewnet")
+MKL_CBWR_ALL, MKL_CBWR_STRICT = ~0, 0x10000     # mkl_cbwr.h
+REDUCE_GRAIN = 32768       # ATen's GRAIN_SIZE: a reduction over fewer elements runs on one thread
+_state = {"on": None}
+_lock = threading.Lock()
+
+
+def set_deterministic(on: bool = True) -> None:
+    """Every kernel with a thread-invariant formulation uses it (see the module docstring)."""
+    _state["on"] = bool(on)
+
+
+def is_deterministic() -> bool:
+    if _state["on"] is not None:
+        return _state["on"]
+    from .runtime import env_switch
+
+    return env_switch("BREWNET_DETERMINISTIC", "0", ("0", "1")) == "1"
+
+
+@functools.cache
+def _mkl_cbwr_get():
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        fn = lib.mkl_serv_cbwr_get
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def mkl_strict() -> bool | None:
+    """Whether MKL runs in strict reproducible mode (None: torch has no MKL here)."""
+    get = _mkl_cbwr_get()
+    if get is None:
+        return None
+    return bool(get(MKL_CBWR_ALL) & MKL_CBWR_STRICT)
+
+
+_warned: list[bool] = []
+
+
+def check_mkl() -> None:
+    """Warn once when MKL was started before brewnet could ask for its strict mode."""
+    if _warned or "MKL_CBWR" not in os.environ or mkl_strict() is not False:
+        return
+    if "STRICT" in os.environ["MKL_CBWR"].upper():
+        _warned.append(True)
+        log.warning("MKL ran before brewnet was imported, so its matrix products keep MKL's "
+                    "default order, which changes with the thread count: import brewnet before "
+                    "the first matrix product, or set MKL_CBWR=AUTO,STRICT, for the same bits "
+                    "on any thread count")
+
+
+@functools.cache
+def _mkl_set_local():
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        fn = lib.mkl_serv_set_num_threads_local     # C (by value); torch's set_num_threads resets it
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def blas_on_one_thread() -> None:
+    """MKL's matrix products on one thread in the calling thread (a training thread): strict
+    mode still splits tiny products between threads (10 x 16 x 64, measured), and the products
+    left to MKL are small ones (InnerProduct weights under ``DNN_MIN_WEIGHT``, per-image im2col
+    products), where one thread was as fast or faster. oneDNN and ATen keep torch's count."""
+    fn = _mkl_set_local()
+    if fn is not None:
+        fn(1)
+
+
+_counts: dict[int, tuple[int, ...]] = {}     # per process id: a forked child decides anew
+
+
+def counts() -> tuple[int, ...]:
+    """The torch thread counts brewnet may run a kernel on in this process (decided once, in
+    the thread that first asks: a worker thread's own OpenMP count is not a user's choice):
+    one, the ceiling, and what ``TrainTogether``'s worker threads give each (the ceiling
+    halved); one and the user's count when one is fixed (brewnet then starts no larger team:
+    a forked worker that inherited a team must not start one)."""
+    got = _counts.get(os.getpid())
+    if got is None:
+        fixed = threads.user_threads()
+        c = threads.ceiling()
+        got = tuple(sorted({1, fixed} if fixed is not None else {1, max(1, c // 2), c}))
+        _counts[os.getpid()] = got
+    return got
+
+
+def fixed_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t.sum()`` in an order that does not depend on the thread count: rows of
+    ``REDUCE_GRAIN`` elements summed one row per thread, then the row sums (few: one thread)."""
+    n = t.numel()
+    if n <= REDUCE_GRAIN or not t.is_floating_point() or t.device.type != "cpu":
+        return t.sum()
+    flat = t.reshape(-1)
+    full = n - n % REDUCE_GRAIN
+    rows = flat[:full].view(-1, REDUCE_GRAIN).sum(1)
+    return rows.sum() + flat[full:].sum() if full < n else rows.sum()
+
+
+def _conv_args(x, w, stride, pad, dilation, groups):
+    return ([w.shape[0]], list(stride), list(pad), list(dilation), False, [0, 0], groups)
+
+
+def onednn_wgrad(dy, x, w, stride, pad, dilation, groups, bias: bool):
+    """oneDNN's (torch's default CPU) weight and bias gradients of a 2-D convolution."""
+    _, gw, gb = torch.ops.aten.convolution_backward(
+        dy, x, w, *_conv_args(x, w, stride, pad, dilation, groups), [False, True, bias])
+    return gw, gb
+
+
+def per_image_wgrad(dy, x, w, stride, pad, dilation, groups, bias: bool):
+    """Caffe's weight gradient: im2col of each image and one matrix product per image, added in
+    image order (ATen's slow convolution), per group; the bias gradient summed per (image,
+    channel), then over the images. Neither depends on the thread count (BLAS in strict mode;
+    in deterministic mode on one thread, which holds on any count, oversubscribed ones too)."""
+    n = torch.get_num_threads()
+    if n > 1 and is_deterministic():
+        torch.set_num_threads(1)
+        try:
+            return per_image_wgrad(dy, x, w, stride, pad, dilation, groups, bias)
+        finally:
+            torch.set_num_threads(n)
+            blas_on_one_thread()
+    if list(dilation) != [1, 1]:
+        with torch.backends.mkldnn.flags(enabled=False):     # ATen's dilated im2col kernel
+            _, gw, _ = torch.ops.aten.convolution_backward(
+                dy, x, w, *_conv_args(x, w, stride, pad, dilation, groups), [False, True, False])
+    else:
+        k, op = list(w.shape[2:]), torch.ops.aten._slow_conv2d_backward.output_mask
+        # the kernel wants all three in one layout (a slice of a group is copied into it)
+        fmt = torch.channels_last if x.is_contiguous(
+            memory_format=torch.channels_last) and not x.is_contiguous() else torch.contiguous_format
+
+        def run(d, i, wg):
+            return op(d.contiguous(memory_format=fmt), i.contiguous(memory_format=fmt),
+                      wg.contiguous(memory_format=fmt), k, list(stride), list(pad),
+                      [False, True, False])[1]
+
+        if groups == 1:
+            gw = run(dy, x, w)
+        else:
+            cin, cout = x.shape[1] // groups, w.shape[0] // groups
+            gw = torch.cat([run(dy[:, g * cout:(g + 1) * cout], x[:, g * cin:(g + 1) * cin],
+                                w[g * cout:(g + 1) * cout]) for g in range(groups)])
+        gw = gw.contiguous()
+    gb = dy.sum((2, 3)).sum(0) if bias else None
+    return gw, gb
+
+
+def _probe(shape_x, shape_w, stride, pad, dilation, groups, channels_last: bool) -> bool:
+    """True when oneDNN's weight gradient has the same bits on every count of ``counts()``."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape_x, generator=gen)
+    w = torch.randn(shape_w, generator=gen)
+    with torch.no_grad():
+        y = torch.nn.functional.conv2d(x, w, None, stride, pad, dilation, groups)
+    dy = torch.randn(y.shape, generator=gen)
+    if channels_last:
+        x, dy = (t.contiguous(memory_format=torch.channels_last) for t in (x, dy))
+    before = torch.get_num_threads()
+    try:
+        ref = None
+        for n in counts():
+            torch.set_num_threads(n)
+            gw, gb = onednn_wgrad(dy, x, w, stride, pad, dilation, groups, True)
+            if ref is None:
+                ref = (gw, gb)
+            elif not (torch.equal(ref[0], gw) and torch.equal(ref[1], gb)):
+                return False
+        return True
+    finally:
+        torch.set_num_threads(before)
+        blas_on_one_thread()
+
+
+_checked: dict[tuple, bool] = {}
+
+
+def onednn_invariant(x: torch.Tensor, w: torch.Tensor, stride, pad, dilation, groups) -> bool:
+    """Whether this convolution's oneDNN weight gradient keeps its bits on every thread count
+    brewnet uses here (checked once per shape and layout; never in deterministic mode)."""
+    if is_deterministic():
+        return False
+    cl = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    key = (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(pad), tuple(dilation), groups, cl)
+    got = _checked.get(key)
+    if got is None:
+        with _lock:
+            got = _checked.get(key)
+            if got is None:
+                got = len(counts()) == 1 or _probe(*key)
+                _checked[key] = got
+                log.debug("convolution %s x %s: oneDNN weight gradient %s across %s threads",
+                          key[0], key[1], "the same" if got else "differs", counts())
+    return got
+
+
+def prepare(net) -> None:
+    """Before training ``net``: warn if MKL missed its strict mode, and check each of its 2-D
+    convolutions' oneDNN weight gradient now, on the thread that builds the solver (a check
+    sets the thread count; together's worker threads must not see it change mid-step)."""
+    check_mkl()
+    if net.device.type != "cpu" or is_deterministic():
+        return
+    for layer, bottoms in zip(net.layer_list, net.bottom_lists):
+        if (layer.type != "Convolution" or getattr(layer, "num_spatial", 0) != 2
+                or layer.axis != 1 or not layer.blobs or not layer.blobs[0].requires_grad
+                or layer.blobs[0].dtype != torch.float32):
+            continue
+        w = layer.blobs[0]
+        for b in dict.fromkeys(bottoms):
+            shape = net.shapes[b]
+            x = torch.empty(0).new_empty(shape) if not net._channels_last else \
+                torch.empty(shape, memory_format=torch.channels_last)
+            onednn_invariant(x, w, layer.stride, layer.pad, layer.dilation, layer.group)
