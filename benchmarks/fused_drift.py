@@ -8,7 +8,9 @@ momentum 0.9, ``inv``, weight_decay 5e-4, base_lr 0.01 / 0.005 / 0.02 / 0.001, s
 has. "fused" is max over the net's param blobs of max|fused - alone| / max|alone| after each
 count of iterations; "floor" is the same measure for the net alone started one ulp away (every
 initial weight moved to the next float32 up): how far float32 noise alone carries that run.
-"bitwise blobs" counts the net's blobs whose fused values equal alone's bit for bit.
+"bitwise blobs" counts the net's blobs whose fused values equal alone's bit for bit. Both
+formulations of ``FusedSolvers`` are run: ``exact`` (each net's own convolution and
+InnerProduct kernels, the default) and ``wide`` (grouped convolutions, batched products).
 """
 from __future__ import annotations
 
@@ -72,12 +74,14 @@ def main() -> None:
     ap.add_argument("--iters", default="1,10,50,500")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--formulations", default="exact,wide",
+                    help="exact: each net's own convolution and product kernels (the default); "
+                         "wide: HFTA's grouped convolutions and batched products")
     a = ap.parse_args()
     import logging
 
+    import brewnet  # noqa: F401  (before torch: a user's import order, brewnet/threads.py)
     import torch
-
-    import brewnet  # noqa: F401  (before torch's first use: brewnet/threads.py)
     from brewnet.many.fused import FusedSolvers
     from brewnet.solvers import SOLVERS
 
@@ -86,12 +90,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ps = params(prepare(work), work, a.k, a.seeds)
-        fs = FusedSolvers(ps, device="cpu")
-        fused, done = {}, 0
-        for m in marks:
-            fs.step(m - done)
-            done = m
-            fused[m] = [snap(s.net) for s in fs.solvers]
+        fused = {}
+        for form in a.formulations.split(","):
+            fs = FusedSolvers(ps, device="cpu", exact=form == "exact")
+            done = 0
+            for m in marks:
+                fs.step(m - done)
+                done = m
+                fused[form, m] = [snap(s.net) for s in fs.solvers]
         alone, floor = {m: [] for m in marks}, {m: [] for m in marks}
         for p in ps:
             for shifted in (False, True):
@@ -106,22 +112,25 @@ def main() -> None:
                     done = m
                     (floor if shifted else alone)[m].append(snap(s.net))
     names = ["conv1.w", "conv1.b", "conv2.w", "conv2.b", "ip1.w", "ip1.b", "ip2.w", "ip2.b"]
-    print(f"| net | base_lr | " + " | ".join(f"{m} it: fused / floor" for m in marks)
+    forms = a.formulations.split(",")
+    print("| net | base_lr | formulation | " + " | ".join(f"{m} it: fused / floor" for m in marks)
           + " | bitwise blobs at each |")
-    print("|---|---|" + "---|" * len(marks) + "---|")
+    print("|---|---|---|" + "---|" * len(marks) + "---|")
     for k in range(a.k):
-        cells = [f"{rel(fused[m][k], alone[m][k]):.1e} / {rel(floor[m][k], alone[m][k]):.1e}"
-                 for m in marks]
-        bits = [sum(torch.equal(x, y) for x, y in zip(fused[m][k], alone[m][k])) for m in marks]
-        print(f"| s{k} | {RATES[k % 4]} | " + " | ".join(cells) + " | "
-              + ", ".join(f"{b}/{len(names)}" for b in bits) + " |")
+        for form in forms:
+            cells = [f"{rel(fused[form, m][k], alone[m][k]):.1e} / "
+                     f"{rel(floor[m][k], alone[m][k]):.1e}" for m in marks]
+            bits = [sum(torch.equal(x, y) for x, y in zip(fused[form, m][k], alone[m][k]))
+                    for m in marks]
+            print(f"| s{k} | {RATES[k % 4]} | {form} | " + " | ".join(cells) + " | "
+                  + ", ".join(f"{b}/{len(names)}" for b in bits) + " |")
     m = marks[min(2, len(marks) - 1)]
     print(f"\nPer blob after {m} iterations (fused vs alone, relative):\n")
-    print("| net | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+    print("| net | formulation | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
     for k in range(a.k):
-        print(f"| s{k} | " + " | ".join(f"{rel([x], [y]):.1e}" for x, y
-                                         in zip(fused[m][k], alone[m][k])) + " |")
-
+        for form in forms:
+            print(f"| s{k} | {form} | " + " | ".join(
+                f"{rel([x], [y]):.1e}" for x, y in zip(fused[form, m][k], alone[m][k])) + " |")
 
 if __name__ == "__main__":
     main()

@@ -144,9 +144,11 @@ def net_to_proto(net, with_diff: bool = False) -> "pb.NetParameter":
     for lp, layer in zip(out.layer, net.layer_list):
         del lp.blobs[:]
         for b in layer.blobs:
-            t = b.detach().float().cpu()
-            diff = b.grad.detach().float().cpu().numpy() if with_diff and b.grad is not None else None
-            lp.blobs.append(array_to_blob(t.numpy(), diff))
+            double = b.dtype == torch.float64    # Caffe's Blob<double>: double_data
+            dt = torch.float64 if double else torch.float32
+            t = b.detach().to(dt).cpu()
+            diff = b.grad.detach().to(dt).cpu().numpy() if with_diff and b.grad is not None else None
+            lp.blobs.append(array_to_blob(t.numpy(), diff, double=double))
     return out
 
 

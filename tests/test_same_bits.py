@@ -256,3 +256,57 @@ def test_cli_deterministic_same_files_on_one_and_two_threads(tmp_path, mnist_lik
         assert out.returncode == 0, out.stderr[-3000:]
     for f in ("lenet_iter_10.caffemodel", "lenet_iter_10.solverstate"):
         assert (tmp_path / "1" / f).read_bytes() == (tmp_path / "2" / f).read_bytes(), f
+
+
+def fused_setup(folder: Path, lmdb: str, names=("sgd", "nesterov")) -> list[str]:
+    folder.mkdir()
+    (folder / "lenet.prototxt").write_text(LENET.format(lmdb=lmdb))
+    files = []
+    for name in names:
+        (folder / f"{name}_solver.prototxt").write_text(
+            SOLVERS[name] + ' net: "lenet.prototxt" max_iter: 20 snapshot: 20 test_iter: 1 '
+            f'test_interval: 10 snapshot_prefix: "{name}" solver_mode: CPU')
+        files.append(f"{name}_solver.prototxt")
+    return files
+
+
+def test_cli_fuse_exact_byte_identical_to_alone(tmp_path, mnist_like):
+    """``brewnet train --fuse exact``: each net's snapshot is the one it writes alone."""
+    files = fused_setup(tmp_path / "alone", mnist_like)
+    fused_setup(tmp_path / "fused", mnist_like)
+    for f in files:
+        brewnet_cli(tmp_path / "alone", "train", "--solver", f)
+    brewnet_cli(tmp_path / "fused", "train", "--fuse", "exact",
+                *[a for f in files for a in ("--solver", f)])
+    names = sorted(p.name for p in (tmp_path / "alone").glob("*_iter_20.*"))
+    assert len(names) >= 4
+    for n in names:
+        assert (tmp_path / "fused" / n).read_bytes() == (tmp_path / "alone" / n).read_bytes(), n
+
+
+def test_cli_fuse_float64_equals_each_net_alone_to_1e_10(tmp_path, mnist_like):
+    """``brewnet train --fuse --dtype float64`` (the wide formulation): the snapshots, in
+    Caffe's double_data, equal each solver trained alone in float64 to 1e-10 relative."""
+    from brewnet.many.fused import as_dtype
+    from brewnet.proto import caffe_pb2 as pb
+    from brewnet.proto.io import read_binary
+    from brewnet.solvers import get_solver
+
+    files = fused_setup(tmp_path / "fused", mnist_like)
+    brewnet_cli(tmp_path / "fused", "train", "--fuse", "--dtype", "float64",
+                *[a for f in files for a in ("--solver", f)])
+    cwd = os.getcwd()
+    os.chdir(tmp_path / "fused")
+    try:
+        for f, name in zip(files, ("sgd", "nesterov")):
+            net = read_binary(f"{name}_iter_20.caffemodel", pb.NetParameter())
+            got = [torch.tensor(list(b.double_data), dtype=torch.float64) for layer in net.layer for b in layer.blobs]
+            s = get_solver(f)
+            as_dtype(s, torch.float64)
+            s.step(20)
+            want = [t.detach().reshape(-1) for t in s.net.learnable]
+            assert len(got) == len(want) == 8 and all(g.numel() for g in got)
+            for g, w in zip(got, want):
+                assert float((g - w).abs().max() / w.abs().max()) <= 1e-10
+    finally:
+        os.chdir(cwd)

@@ -201,7 +201,7 @@ def test_fuse_errors_are_one_clean_line(setup, capsys, monkeypatch):
     class FuseError(ValueError):
         pass
 
-    def refuse(params, device=None):
+    def refuse(params, device=None, **options):       # exact=, dtype=
         assert len(params) == 2 and all(p.net.endswith(".prototxt") for p in params)
         raise FuseError("layer 'conv' differs: num_output 4 vs 8")
     fake.FuseError, fake.FusedSolvers = FuseError, refuse

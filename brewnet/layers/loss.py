@@ -81,7 +81,8 @@ def check_labels(layer, label: torch.Tensor, k: int, ignore: int | None = None) 
 
 
 class _WeightedLogLoss(torch.autograd.Function):
-    """x (outer, K, inner), labels (outer, 1, inner), H (K, K) or None (identity) ->
+    """x (outer, K, inner) or, without H, (outer, K), labels (outer, 1[, inner]), H (K, K) or
+    None (identity) ->
     -sum_l H[label, l] log(max(p_l, floor)) / norm with p = softmax over K (SoftmaxWithLoss:
     H = I, floor FLT_MIN; InfogainLoss: floor 1e-20). Caffe's backward, clamped or not:
     (p * rowsum(H)[label] - H[label, :]) * g / norm (= p - onehot for H = I); 0 where ignored.
@@ -128,6 +129,10 @@ def weighted_log_loss(x, label, axis=1, ignore=None, mode=VALID, h=None, floor=F
     norm = normalizer(mode, outer, inner, None if valid is None else valid.sum())
     if h is not None:
         h = h.detach().to(device=x.device, dtype=x.dtype).reshape(k, k)
+    elif inner == 1:   # (N, C): torch's last-axis softmax, the one the fused engine's K nets run
+        return _WeightedLogLoss.apply(x.reshape(outer, k), lab.view(outer, 1),
+                                      None if valid is None else valid.view(outer, 1), None,
+                                      floor, norm)
     return _WeightedLogLoss.apply(x.reshape(outer, k, inner), lab, valid, h, floor, norm)
 
 

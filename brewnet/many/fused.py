@@ -15,12 +15,22 @@ outputs are exactly its Test lines), ``snapshot``/``snapshot_prefix`` and ``max_
 lines start with ``[sK] ``. Updates are grouped by solver type: nets are stacked sorted by (type,
 -max_iter), so each group is a contiguous slice whose still-running nets are a prefix of it.
 
-In float64 (``dtype``) each net equals its solver alone to ~1e-13 relative. In float32 it is not
-bitwise: the wide convolution (NHWC, grouped) and the batched matmuls sum in another order than
-each net's own kernels (~1e-7 after a step), which training carries on and max-pooling near-ties
-and Adam amplify (``tests/test_fused.py`` says how far). The update rules round as alone (per
-net float32 scalars, clip norms summed per blob). Dropout masks and random transforms come from
-one stream for all K (alone, each net draws its own).
+Two formulations (``exact``; ``brewnet train --fuse [wide|exact]``):
+
+- **wide** (the default): the grouped convolutions and batched products below. In float64
+  (``dtype``) each net equals its solver alone to ~1e-13 relative; in float32 they sum in
+  another order than each net's own kernels (~1e-6 after a step), and training carries that
+  on until a max-pooling near-tie or arg-max falls the other way, a jump to ~1e-3 (real MNIST,
+  50 iterations: at most 5.7e-3, where the same net alone started one ulp away moved up to
+  2.6e-2; ``benchmarks/fused_drift.py``). The loss (the stacked last-axis softmax) and SGD's
+  update round as alone.
+- **exact**: each net's own Convolution and InnerProduct kernels on its slice (and Adam's and
+  Nesterov's updates per net): every net bit for bit its run alone (500 iterations on real
+  MNIST), at about one-by-one speed (``benchmarks/many_nets.py``: LeNet K = 8 0.9x one-by-one,
+  wide 1.5x); it still reads the data once.
+
+Dropout masks and random transforms come from one stream for all K (alone, each net draws its
+own), so nets with them are bitwise in neither.
 
 Formulation, chosen by measurement (``benchmarks/fused.py --formulations``: one forward and
 backward of K nets in plain torch, ms, 1 thread, medians of 7 on the shared 2-core CPU under a
@@ -117,9 +127,10 @@ UPDATES = {"SGD": _sgd, "Nesterov": _nesterov, "Adam": _adam}
 class FusedSolvers:
     """K solvers trained as one fused net; ``solvers[k]`` is net k's own Solver (``.iter``,
     ``.net``, ``.test_nets``, ``.snapshot()`` as alone). ``dtype``: cast the nets (float64 for
-    checks; Caffe's numbers are float32, the default)."""
+    checks; Caffe's numbers are float32, the default); ``exact``: each net's own kernels, bit for
+    bit each net alone (see the module docstring)."""
 
-    def __init__(self, solver_params, device=None, dtype=None):
+    def __init__(self, solver_params, device=None, dtype=None, exact: bool = False):
         sources = list(solver_params)            # messages or solver files
         params = [load_solver_param(p)[0] for p in sources]
         if not params:
@@ -145,7 +156,8 @@ class FusedSolvers:
         k_ = len(params)
         self.order = sorted(range(k_), key=lambda k: (params[k].type, -params[k].max_iter))
         labels = [f"net {k} ({params[k].net or params[k].train_net or 'net_param'})" for k in self.order]
-        self.fused = FusedNet([self.solvers[k].net for k in self.order], labels)
+        self.exact = exact
+        self.fused = FusedNet([self.solvers[k].net for k in self.order], labels, exact=exact)
         self._stack_histories()
         self.groups = []                         # (type, first stack position, end)
         for pos, k in enumerate(self.order):
@@ -340,6 +352,16 @@ class FusedSolvers:
         if iter_size > 1:
             g.mul_(float(f32(1) / f32(iter_size)))
         decay = [f32(s.param.weight_decay) * f32(s.net.decay_mults[i]) for s in solvers]
+        if self.exact and rule is not _sgd:
+            # each net's own rule on its row, as alone (Adam's and Nesterov's stacked forms
+            # round their per-net products in another order; SGD's rounds as alone)
+            for j, s in enumerate(solvers):
+                if decay[j]:
+                    l1 = s.param.regularization_type == "L1"
+                    g[j].add_(torch.sign(p[j]) if l1 else p[j], alpha=float(decay[j]))
+                s.compute_update(i, p[j], g[j], float(f32(rates[j]) * f32(s.net.lr_mults[i])))
+                p[j].sub_(g[j])
+            return
         if any(decay):
             l1 = [s.param.regularization_type == "L1" for s in solvers]
             reg = p if not any(l1) else torch.sign(p) if all(l1) else torch.where(

@@ -11,6 +11,9 @@ A value of the fused net is held in one of four layouts (``Val.kind``):
 - ``list``: K separate tensors: what losses and accuracies give (each net's own loss layer, on
   its slice of the stacked scores, so its normalisation is exactly the net's alone).
 
+An exact FusedNet (``exact=True``) runs Convolution and InnerProduct per net instead, each on
+its own slice with its own kernel (``EXACT``), so every net's sums are the ones it does alone.
+
 Parameters are stacked per learnable index, (K, *shape); each net's own layers are re-pointed at
 views of them (``stack_params``), so a net's snapshot, test net and ``.net`` read the fused
 values without copies. A layer type without a wide form is refused (``FuseError``).
@@ -111,12 +114,29 @@ def check_same_architecture(nets, labels) -> None:
 
 
 # -- wide operators, keyed by Caffe's type -----------------------------------------------------
+def _member_input(x: "Val", j: int, c: int) -> torch.Tensor:
+    """Net j's own input, laid out as it is alone: the shared tensor itself, or its channel
+    slice made dense in the wide tensor's memory format (what the lone net's layer produced)."""
+    if x.kind == "shared":
+        return x.t
+    fmt = torch.channels_last if (x.t.dim() == 4 and not x.t.is_contiguous()
+                                  and x.t.is_contiguous(memory_format=torch.channels_last)) \
+        else torch.contiguous_format
+    return x.t[:, j * c:(j + 1) * c].contiguous(memory_format=fmt)
+
+
 def _conv(fn, layer, ins, params, k):
     x = ins[0]
     if layer.axis != 1 or x.kind not in ("shared", "chan") or len(ins) != 1:
         raise FuseError(f"layer '{layer.name}' (Convolution): only one bottom with channels on "
                         f"axis 1 fuses (got {len(ins)} bottom(s), axis {layer.axis})")
     w = params[0]                                           # (K, O, C/g, *kernel)
+    if fn == EXACT:    # each net's own convolution: the kernel and sum order it runs alone
+        c = w.shape[2] * layer.group
+        bias = params[1] if layer.bias_term else None
+        ys = [Fn.conv_nd(_member_input(x, j, c), w[j], None if bias is None else bias[j],
+                         layer.stride, layer.pad, layer.dilation, layer.group) for j in range(k)]
+        return [Val("chan", torch.cat(ys, 1))]
     b = params[1].reshape(-1) if layer.bias_term else None  # (K*O,)
     t = x.t
     if t.device.type == "cpu" and t.dim() == 4:   # oneDNN's grouped kernels: ~2x faster in NHWC
@@ -134,8 +154,19 @@ def _inner_product(fn, layer, ins, params, k):
     if layer.axis != 1:
         raise FuseError(f"layer '{layer.name}' (InnerProduct): only axis 1 fuses, got {layer.axis}")
     w = params[0]                                   # (K, O, D), or (K, D, O) with transpose
-    wt = w if layer.transpose else w.transpose(1, 2)              # (K, D, O)
     b = params[1] if len(params) > 1 else None                    # (K, O)
+    if fn == EXACT:    # each net's own product (BLAS or oneDNN, as alone)
+        if x.kind == "chan":
+            c = x.t.shape[1] // k
+            xs = [_member_input(x, j, c).reshape(x.t.shape[0], -1) for j in range(k)]
+        elif x.kind == "shared":
+            xs = [x.t.reshape(x.t.shape[0], -1)] * k
+        else:
+            xs = [x.t[j].reshape(x.t.shape[1], -1) for j in range(k)]
+        return [Val("stack", torch.stack([Fn.inner_product(xj, w[j], None if b is None else b[j],
+                                                           layer.transpose)
+                                          for j, xj in enumerate(xs)]))]
+    wt = w if layer.transpose else w.transpose(1, 2)              # (K, D, O)
     if x.kind == "shared":                          # one GEMM with the K matrices side by side
         x2 = x.t.reshape(x.t.shape[0], -1)
         wcat = wt.permute(1, 0, 2).reshape(wt.shape[1], -1)       # (D, K*O)
@@ -148,6 +179,9 @@ def _inner_product(fn, layer, ins, params, k):
         xs = x.t.reshape(k, x.t.shape[1], -1)
     y = torch.bmm(xs, wt) if b is None else torch.baddbmm(b.unsqueeze(1), xs, wt)
     return [Val("stack", y)]
+
+
+EXACT = "exact"    # the arg of Convolution/InnerProduct in an exact FusedNet: per-net kernels
 
 
 def _same_layout(fn, layer, ins, params, k):
@@ -232,9 +266,9 @@ class FusedNet:
     the stacked learnable tensors (learnable order); ``forward()`` returns (the summed weighted
     loss to backpropagate, each net's loss (K,), each net's outputs {name: K tensors})."""
 
-    def __init__(self, nets, labels):
+    def __init__(self, nets, labels, exact: bool = False):
         check_same_architecture(nets, labels)
-        self.nets, self.k = nets, len(nets)
+        self.nets, self.k, self.exact = nets, len(nets), exact
         ref = nets[0]
         for layer in ref.layer_list:
             if not _is_source(layer) and layer.type not in WIDE:
@@ -257,6 +291,8 @@ class FusedNet:
                 _share_position(layer, [net.layer_list[i] for net in self.nets[1:]])
             else:
                 fn, arg = WIDE[layer.type]
+                if self.exact and layer.type in ("Convolution", "InnerProduct"):
+                    arg = EXACT
                 ins = [vals[b] for b in ref.bottom_lists[i]]
                 if not all(ref.propagate_down[i]):
                     ins = [v if p else _detached(v) for v, p in zip(ins, ref.propagate_down[i])]

@@ -38,8 +38,15 @@ log = logging.getLogger("brewnet")
 def add_arguments(p) -> None:
     p.add_argument("--solver", "-solver", required=True, metavar="S", action="append",
                    help="the solver definition (.prototxt); repeat it to train several together")
-    p.add_argument("--fuse", "-fuse", action="store_true",
-                   help="with several --solver of one architecture: train them as one fused net")
+    p.add_argument("--fuse", "-fuse", nargs="?", const="wide", default=None,
+                   choices=["wide", "exact"],
+                   help="with several --solver of one architecture: train them as one fused net; "
+                        "wide (the default): grouped convolutions and batched products, within "
+                        "float32 rounding of each net alone; exact: each net's own kernels, "
+                        "bit for bit each net alone, at about one-by-one speed")
+    p.add_argument("--dtype", "-dtype", choices=["float32", "float64"], default="float32",
+                   help="with --fuse: train in float64 (each net equals its float64 run alone to "
+                        "1e-10: the check that the fused algorithm is each net's own)")
     p.add_argument("--together-threads", "-together_threads", type=int, default=None, metavar="N",
                    help="with several --solver: worker threads stepping them at once (default "
                         "$BREWNET_TOGETHER_THREADS, else one per core when the nets are not tiny; "
@@ -139,6 +146,8 @@ def run(args) -> int:
 
         world, spawn = plan(args.workers, parse_gpus(args.gpu))
         many = len(args.solver) > 1 or args.fuse
+        if args.dtype != "float32" and not args.fuse:
+            raise CLIError("--dtype float64 trains fused nets (--fuse); Caffe's runs are float32")
         if many and (spawn or world is not None):
             raise CLIError("several --solver (or --fuse) train in one process; data parallel "
                            "workers train one solver each")
@@ -243,7 +252,10 @@ def _train_many(args, holder, pending) -> int:
             except ImportError:
                 raise CLIError("--fuse: the fused engine (brewnet.many.fused) is not in this "
                                "install; train them together without --fuse") from None
-            runner = FusedSolvers(params, device=device)
+            import torch
+
+            runner = FusedSolvers(params, device=device, exact=args.fuse == "exact",
+                                  dtype=torch.float64 if args.dtype == "float64" else None)
             size_threads(runner.solvers[0].net)
         else:
             from ..many.together import TrainTogether
