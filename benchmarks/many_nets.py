@@ -11,9 +11,9 @@ that differ only in their random seed are trained each way:
               timing together (a barrier file) after their warm-up;
   together    one process, ``brewnet.many.TrainTogether``: one data stream for all K, its
               worker threads as it chooses them (``together:N``: N worker threads);
-  fused       ``brewnet.many.fused.FusedSolvers`` ("n/a" when it is not installed): each
-              net's own convolution and InnerProduct kernels, bitwise equal to alone;
-              ``fused:wide``: HFTA's grouped convolutions and batched products instead.
+  fused       ``brewnet.many.fused.FusedSolvers`` ("n/a" when it is not installed): HFTA's
+              grouped convolutions and batched products (the default formulation);
+              ``fused:exact``: each net's own kernels, bitwise equal to each net alone.
 "step ms" is the wall time of one step of all K nets (after ``--warmup`` steps, over
 ``--steps``; with ``--repeat R`` the median of R measurements taken with the modes in turn);
 "speed-up" is one-by-one's step time over the mode's; "CPU ms" the CPU time (user + system)
@@ -136,7 +136,7 @@ def worker(a) -> dict:
             runner = TrainTogether(params, device=device, threads=int(n) if n else None)
         else:
             from brewnet.many.fused import FusedSolvers
-            runner = FusedSolvers(params, device=device, exact=a.mode != "fused:wide")
+            runner = FusedSolvers(params, device=device, exact=a.mode == "fused:exact")
         runner.step(a.warmup)
         sync()
         if a.barrier:

@@ -102,6 +102,7 @@ def layer_rows(name: str, param, classes: int, counts) -> list[str]:
                 net.blobs[b].write_diff(diff.clone())
             for p in layer.blobs:
                 p.grad = None
+            torch.manual_seed(0)         # Dropout's mask: the same draw at every count
             net.forward_layer(i)
             tops = [net.blobs[t].tensor.detach().clone() for t in net.top_lists[i]]
             for t, (_, diff) in zip(net.top_lists[i], (saved[t] for t in net.top_lists[i])):
