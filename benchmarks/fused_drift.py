@@ -24,30 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SHARED = Path(os.environ.get("BREWNET_SHARED") or ROOT.parent / "shared")
 T10K = SHARED / "caffe-models" / "trained" / "mnist_t10k" / "data" / "mnist"
-LENET = ROOT / "examples" / "mnist" / "lenet_train_test.prototxt"
 RATES = (0.01, 0.005, 0.02, 0.001)
 
 
 def prepare(work: Path) -> Path:
-    from brewnet.cli import main
-    from brewnet.proto import caffe_pb2 as pb
-    from brewnet.proto.io import read_net, write_text
+    """MNIST t10k as an LMDB and LeNet's train net over it at batch 64 (many_nets.py's)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import many_nets
 
-    lmdb = work / "mnist_t10k_lmdb"
-    assert main(["convert-mnist", str(T10K / "t10k-images-idx3-ubyte.gz"),
-                 str(T10K / "t10k-labels-idx1-ubyte.gz"), str(lmdb)]) == 0
-    lenet = read_net(str(LENET))
-    keep = pb.NetParameter()
-    keep.CopyFrom(lenet)
-    del keep.layer[:]
-    for layer in lenet.layer:
-        if any(r.phase == pb.TEST for r in layer.include):
-            continue
-        if layer.type == "Data":
-            layer.data_param.source, layer.data_param.batch_size = str(lmdb), 64
-        keep.layer.add().CopyFrom(layer)
-    write_text(work / "lenet.prototxt", keep)
-    return work / "lenet.prototxt"
+    return many_nets.prepare(work)["lenet"]
 
 
 def params(net: Path, work: Path, k: int, seed0: int):

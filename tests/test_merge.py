@@ -53,19 +53,20 @@ def ip_net(lmdb, batch=8):
     return with_data(body, lmdb, batch)
 
 
-def conv_net(lmdb):
+def conv_net(lmdb, batch=8, filters=4, kernel=3):
     n = caffe.NetSpec()
     n.data, n.label = L.Input(ntop=2)
-    n.conv = L.Convolution(n.data, num_output=4, kernel_size=3, weight_filler=dict(type="xavier"))
+    n.conv = L.Convolution(n.data, num_output=filters, kernel_size=kernel,
+                           weight_filler=dict(type="xavier"))
     n.pool = L.Pooling(n.conv, pool=P.Pooling.MAX, kernel_size=2, stride=2)
     n.ip = L.InnerProduct(n.pool, num_output=10, weight_filler=dict(type="xavier"))
     n.loss = L.SoftmaxWithLoss(n.ip, n.label)
     body = n.to_proto()
     del body.layer[0]
-    return with_data(body, lmdb)
+    return with_data(body, lmdb, batch)
 
 
-def mlp_two_losses(lmdb):
+def mlp_two_losses(lmdb, batch=8):
     n = caffe.NetSpec()
     n.data, n.label = L.Input(ntop=2)
     n.ip1 = L.InnerProduct(n.data, num_output=16, weight_filler=dict(type="xavier"))
@@ -77,7 +78,7 @@ def mlp_two_losses(lmdb):
     n.loss_b = L.SoftmaxWithLoss(n.ip3, n.label, loss_weight=0.5)
     body = n.to_proto()
     del body.layer[0]
-    return with_data(body, lmdb)
+    return with_data(body, lmdb, batch)
 
 
 SOLVER = """net: "{net}" base_lr: 0.05 lr_policy: "fixed" momentum: {momentum} weight_decay: 0.0005

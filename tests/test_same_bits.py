@@ -38,49 +38,14 @@ if sys.argv[1] == "torch":
     import torch                                # a script that imports torch first
 import brewnet as caffe
 from google.protobuf import text_format
-from brewnet import layers as L, params as P
 from brewnet.proto import caffe_pb2 as pb
-from test_merge import data_layers, params_of, solver
+from test_merge import conv_net, ip_net, mlp_two_losses, params_of, solver
 from pathlib import Path
 
 tmp, lmdb = Path(sys.argv[2]), sys.argv[3]
-
-def body(n):
-    proto = n.to_proto()
-    del proto.layer[0]
-    net = pb.NetParameter(name="seed")
-    net.layer.extend(data_layers(lmdb, 64))
-    net.layer.extend(proto.layer)
-    return net
-
-def conv_net():                     # 37 MFLOP in conv: the cores (a net of its own size)
-    n = caffe.NetSpec()
-    n.data, n.label = L.Input(ntop=2)
-    n.conv = L.Convolution(n.data, num_output=20, kernel_size=5, weight_filler=dict(type="xavier"))
-    n.pool = L.Pooling(n.conv, pool=P.Pooling.MAX, kernel_size=2, stride=2)
-    n.ip = L.InnerProduct(n.pool, num_output=10, weight_filler=dict(type="xavier"))
-    n.loss = L.SoftmaxWithLoss(n.ip, n.label)
-    return body(n)
-
-def mlp_two_losses():               # tiny: one thread alone
-    n = caffe.NetSpec()
-    n.data, n.label = L.Input(ntop=2)
-    n.ip1 = L.InnerProduct(n.data, num_output=16, weight_filler=dict(type="xavier"))
-    n.relu = L.ReLU(n.ip1, in_place=True)
-    n.ip2 = L.InnerProduct(n.relu, num_output=10, weight_filler=dict(type="xavier"))
-    n.loss = L.SoftmaxWithLoss(n.ip2, n.label)
-    n.ip3 = L.InnerProduct(n.relu, num_output=10, weight_filler=dict(type="gaussian", std=0.1))
-    n.loss_b = L.SoftmaxWithLoss(n.ip3, n.label, loss_weight=0.5)
-    return body(n)
-
-def ip_net():                       # tiny: one thread alone
-    n = caffe.NetSpec()
-    n.data, n.label = L.Input(ntop=2)
-    n.ip = L.InnerProduct(n.data, num_output=10, weight_filler=dict(type="xavier"))
-    n.loss = L.SoftmaxWithLoss(n.ip, n.label)
-    return body(n)
-
-nets, alone, initial, counts = [conv_net(), mlp_two_losses(), ip_net()], [], [], []
+# batch 64; the conv net's 20 5x5 filters do 37 MFLOP (the cores), the other two are tiny
+nets = [conv_net(lmdb, 64, 20, 5), mlp_two_losses(lmdb, 64), ip_net(lmdb, 64)]
+alone, initial, counts = [], [], []
 for i, net in enumerate(nets):
     s, f = solver(tmp, f"n{i}", net, seed=100 + i, momentum=0.9, iters=7)
     initial.append(params_of(s.net))
