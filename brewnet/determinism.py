@@ -32,6 +32,7 @@ faster weight gradient saved (``benchmarks/thread_bits.py`` measures it).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -118,19 +119,41 @@ def blas_on_one_thread() -> None:
 
 
 _counts: dict[int, tuple[int, ...]] = {}     # per process id: a forked child decides anew
+_IMPORT_PID = os.getpid()
+
+
+@contextlib.contextmanager
+def blas_on_torch_threads(large: bool = True):
+    """MKL on torch's thread count inside the block, for a large product (strict mode kept
+    one order on 1 and 2 threads for every shape of a few MFLOP and more tried here; the fused
+    engine's batched InnerProducts took 1.2x longer on one thread). Back to the caller's after."""
+    fn, n = _mkl_set_local(), torch.get_num_threads()
+    if not large or fn is None or n == 1:
+        yield
+        return
+    before = fn(n)
+    try:
+        yield
+    finally:
+        fn(before)
 
 
 def counts() -> tuple[int, ...]:
-    """The torch thread counts brewnet may run a kernel on in this process (decided once, in
+    """The torch thread counts a kernel's bits are checked on in this process (decided once, in
     the thread that first asks: a worker thread's own OpenMP count is not a user's choice):
-    one, the ceiling, and what ``TrainTogether``'s worker threads give each (the ceiling
-    halved); one and the user's count when one is fixed (brewnet then starts no larger team:
-    a forked worker that inherited a team must not start one)."""
+    one, the cores, the CLI's ceiling, a half, third and quarter of the cores
+    (``TrainTogether``'s worker threads) and a count the user fixed; so a run with the count fixed chooses the kernels a default run chooses. A process
+    forked after brewnet was imported checks only one and its own count: growing the
+    parent's OpenMP pool there hangs."""
     got = _counts.get(os.getpid())
     if got is None:
         fixed = threads.user_threads()
-        c = threads.ceiling()
-        got = tuple(sorted({1, fixed} if fixed is not None else {1, max(1, c // 2), c}))
+        c = max(1, threads.usable_cores())
+        if os.getpid() != _IMPORT_PID:    # forked after import: the parent's OpenMP pool
+            got = tuple(sorted({1, fixed or 1}))       # is not ours to grow (it would hang)
+        else:   # the user's count too, so BREWNET_THREADS=1 and =2 choose the same kernels
+            got = tuple(sorted({1, c, threads.ceiling(), fixed or 1,
+                                *(max(1, c // n) for n in (2, 3, 4))}))
         _counts[os.getpid()] = got
     return got
 

@@ -275,3 +275,19 @@ def test_cli_fuse_float64_equals_each_net_alone_to_1e_10(tmp_path, mnist_like):
                 assert float((g - w).abs().max() / w.abs().max()) <= 1e-10
     finally:
         os.chdir(cwd)
+
+
+def test_cli_fuse_same_files_on_one_and_two_threads(tmp_path, mnist_like):
+    """The wide fused net's run does not depend on the thread count either (its batched
+    products run MKL on torch's threads when large: brewnet.many.fused_layers)."""
+    for n in ("1", "2"):
+        files = fused_setup(tmp_path / n, mnist_like)
+        out = subprocess.run([sys.executable, "-m", "brewnet", "train", "--fuse",
+                              *[a for f in files for a in ("--solver", f)]], capture_output=True,
+                             text=True, env=dict(user_env(), BREWNET_THREADS=n), cwd=tmp_path / n,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+    names = sorted(p.name for p in (tmp_path / "1").glob("*_iter_20.*"))
+    assert len(names) >= 4
+    for f in names:
+        assert (tmp_path / "1" / f).read_bytes() == (tmp_path / "2" / f).read_bytes(), f
