@@ -58,5 +58,5 @@ __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu"
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
            "Layer", "register_layer", "Classifier", "Detector", "coord_map", "draw", "layers",
            "params", "NetSpec", "to_proto", "to_torch", "merge_indep_net_spec", "merge_nets",
-           "fully_convolutional", "set_deterministic", "is_deterministic", "__version__", "NCCL", "has_nccl", "set_solver_count",
-           "set_solver_rank", "set_multiprocess", "solver_count", "solver_rank", "init_log", "log"]
+           "fully_convolutional", "set_deterministic", "is_deterministic", "__version__", "NCCL",
+           "has_nccl", "set_solver_count", "set_solver_rank", "set_multiprocess", "solver_count", "solver_rank", "init_log", "log"]

@@ -4,7 +4,7 @@ A training run's numbers must not depend on how many torch threads run it: the t
 follows the net's size and the machine's cores (brewnet/threads.py), so otherwise a net trained
 in a merged or together run (other counts) or on another machine would end with other weights
 than the same net trained alone. Measured per layer and thread count by
-``benchmarks/thread_bits.py``; three kinds of kernel split a sum between threads:
+``benchmarks/thread_bits.py``; two kinds of kernel split a sum between threads:
 
 - **BLAS matrix products** (small InnerProducts, im2col convolutions): MKL splits the inner
   dimension for skinny shapes (LeNet ip2's weight gradient: 1 and 2 threads differ). MKL's
@@ -21,8 +21,6 @@ than the same net trained alone. Measured per layer and thread count by
   brewnet may use here (``counts()``); where they differ, that layer's weight and bias gradients
   come from im2col and one matrix product per image instead (Caffe's own formulation; thread
   invariant through BLAS), elsewhere oneDNN stays (faster).
-- **Full reductions** of more than 32768 elements to one number (a loss over a large blob):
-  ATen sums one part per thread; ``fixed_sum`` sums rows of a fixed width, then the row sums.
 
 **Deterministic mode** (``set_deterministic(True)``, ``BREWNET_DETERMINISTIC=1``, ``brewnet
 train --deterministic``): every convolution's weight gradient takes the per-image path without
@@ -45,7 +43,6 @@ from . import threads
 
 log = logging.getLogger("brewnet")
 MKL_CBWR_ALL, MKL_CBWR_STRICT = ~0, 0x10000     # mkl_cbwr.h
-REDUCE_GRAIN = 32768       # ATen's GRAIN_SIZE: a reduction over fewer elements runs on one thread
 _state = {"on": None}
 _lock = threading.Lock()
 
@@ -64,10 +61,11 @@ def is_deterministic() -> bool:
 
 
 @functools.cache
-def _mkl_cbwr_get():
+def _mkl(name: str):
+    """One of MKL's C service functions (int -> int) inside torch's library, or None."""
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        fn = lib.mkl_serv_cbwr_get
+        fn = getattr(lib, name)
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
@@ -76,7 +74,7 @@ def _mkl_cbwr_get():
 
 def mkl_strict() -> bool | None:
     """Whether MKL runs in strict reproducible mode (None: torch has no MKL here)."""
-    get = _mkl_cbwr_get()
+    get = _mkl("mkl_serv_cbwr_get")
     if get is None:
         return None
     return bool(get(MKL_CBWR_ALL) & MKL_CBWR_STRICT)
@@ -97,15 +95,9 @@ def check_mkl() -> None:
                     "on any thread count")
 
 
-@functools.cache
 def _mkl_set_local():
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        fn = lib.mkl_serv_set_num_threads_local     # C (by value); torch's set_num_threads resets it
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-    return fn
+    # C (by value), thread-local; torch's set_num_threads resets it
+    return _mkl("mkl_serv_set_num_threads_local")
 
 
 def blas_on_one_thread() -> None:
@@ -142,9 +134,9 @@ def counts() -> tuple[int, ...]:
     """The torch thread counts a kernel's bits are checked on in this process (decided once, in
     the thread that first asks: a worker thread's own OpenMP count is not a user's choice):
     one, the cores, the CLI's ceiling, a half, third and quarter of the cores
-    (``TrainTogether``'s worker threads) and a count the user fixed; so a run with the count fixed chooses the kernels a default run chooses. A process
-    forked after brewnet was imported checks only one and its own count: growing the
-    parent's OpenMP pool there hangs."""
+    (``TrainTogether``'s worker threads) and a count the user fixed; so a run with the count
+    fixed chooses the kernels a default run chooses. A process forked after brewnet was
+    imported checks only one and its own count: growing the parent's OpenMP pool there hangs."""
     got = _counts.get(os.getpid())
     if got is None:
         fixed = threads.user_threads()
@@ -158,27 +150,11 @@ def counts() -> tuple[int, ...]:
     return got
 
 
-def fixed_sum(t: torch.Tensor) -> torch.Tensor:
-    """``t.sum()`` in an order that does not depend on the thread count: rows of
-    ``REDUCE_GRAIN`` elements summed one row per thread, then the row sums (few: one thread)."""
-    n = t.numel()
-    if n <= REDUCE_GRAIN or not t.is_floating_point() or t.device.type != "cpu":
-        return t.sum()
-    flat = t.reshape(-1)
-    full = n - n % REDUCE_GRAIN
-    rows = flat[:full].view(-1, REDUCE_GRAIN).sum(1)
-    return rows.sum() + flat[full:].sum() if full < n else rows.sum()
-
-
-def _conv_args(x, w, stride, pad, dilation, groups):
-    return ([w.shape[0]], list(stride), list(pad), list(dilation), False, [0, 0], groups)
-
-
-def onednn_wgrad(dy, x, w, stride, pad, dilation, groups, bias: bool):
-    """oneDNN's (torch's default CPU) weight and bias gradients of a 2-D convolution."""
-    _, gw, gb = torch.ops.aten.convolution_backward(
-        dy, x, w, *_conv_args(x, w, stride, pad, dilation, groups), [False, True, bias])
-    return gw, gb
+def onednn_backward(dy, x, w, stride, pad, dilation, groups, mask):
+    """torch's default CPU (oneDNN) gradients of a 2-D convolution: (input, weight, bias) as
+    ``mask`` asks."""
+    return torch.ops.aten.convolution_backward(dy, x, w, [w.shape[0]], list(stride), list(pad),
+                                               list(dilation), False, [0, 0], groups, mask)
 
 
 def per_image_wgrad(dy, x, w, stride, pad, dilation, groups, bias: bool):
@@ -196,8 +172,7 @@ def per_image_wgrad(dy, x, w, stride, pad, dilation, groups, bias: bool):
             blas_on_one_thread()
     if list(dilation) != [1, 1]:
         with torch.backends.mkldnn.flags(enabled=False):     # ATen's dilated im2col kernel
-            _, gw, _ = torch.ops.aten.convolution_backward(
-                dy, x, w, *_conv_args(x, w, stride, pad, dilation, groups), [False, True, False])
+            gw = onednn_backward(dy, x, w, stride, pad, dilation, groups, [False, True, False])[1]
     else:
         k, op = list(w.shape[2:]), torch.ops.aten._slow_conv2d_backward.output_mask
         # the kernel wants all three in one layout (a slice of a group is copied into it)
@@ -235,7 +210,7 @@ def _probe(shape_x, shape_w, stride, pad, dilation, groups, channels_last: bool)
         ref = None
         for n in counts():
             torch.set_num_threads(n)
-            gw, gb = onednn_wgrad(dy, x, w, stride, pad, dilation, groups, True)
+            _, gw, gb = onednn_backward(dy, x, w, stride, pad, dilation, groups, [False, True, True])
             if ref is None:
                 ref = (gw, gb)
             elif not (torch.equal(ref[0], gw) and torch.equal(ref[1], gb)):
@@ -283,6 +258,6 @@ def prepare(net) -> None:
         w = layer.blobs[0]
         for b in dict.fromkeys(bottoms):
             shape = net.shapes[b]
-            x = torch.empty(0).new_empty(shape) if not net._channels_last else \
-                torch.empty(shape, memory_format=torch.channels_last)
+            x = torch.empty(shape, memory_format=torch.channels_last if net._channels_last
+                            else torch.contiguous_format)
             onednn_invariant(x, w, layer.stride, layer.pad, layer.dilation, layer.group)

@@ -189,22 +189,6 @@ def test_every_layer_of_lenet_cifar_and_ip_same_bits_on_1_2_4_threads():
     assert rows == []
 
 
-def test_fixed_sum_does_not_depend_on_the_thread_count():
-    from brewnet.determinism import fixed_sum
-
-    x = torch.randn(3 * 32768 + 517, generator=torch.Generator().manual_seed(0))
-    before = torch.get_num_threads()
-    try:
-        got = []
-        for n in (1, 2, 4):
-            torch.set_num_threads(n)
-            got.append(fixed_sum(x))
-    finally:
-        torch.set_num_threads(before)
-    assert got[0] == got[1] == got[2]
-    assert torch.allclose(got[0].double(), x.double().sum(), rtol=1e-5)
-
-
 def test_cli_deterministic_same_files_on_one_and_two_threads(tmp_path, mnist_like):
     """``brewnet train --deterministic``: the thread count (here forced, 1 and 2) leaves every
     byte of the snapshot as it is."""
@@ -291,3 +275,23 @@ def test_cli_fuse_same_files_on_one_and_two_threads(tmp_path, mnist_like):
     assert len(names) >= 4
     for f in names:
         assert (tmp_path / "1" / f).read_bytes() == (tmp_path / "2" / f).read_bytes(), f
+
+
+def test_new_switches_refuse_bad_input_in_one_line(tmp_path, capsys, monkeypatch):
+    """``--dtype`` without ``--fuse``, an unknown ``--fuse`` formulation and a bad
+    ``BREWNET_DETERMINISTIC`` are one clear line each, no traceback."""
+    from brewnet import determinism
+    from brewnet.cli import main
+
+    solver = tmp_path / "s.prototxt"
+    solver.write_text('net: "missing.prototxt" base_lr: 0.01 max_iter: 1')
+    assert main(["train", "--solver", str(solver), "--dtype", "float64"]) == 1
+    err = capsys.readouterr().err
+    assert "--dtype float64 trains fused nets (--fuse)" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        main(["train", "--fuse", "fastest", "--solver", str(solver), "--solver", str(solver)])
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err
+    monkeypatch.setenv("BREWNET_DETERMINISTIC", "yes")
+    monkeypatch.setitem(determinism._state, "on", None)
+    with pytest.raises(ValueError, match="BREWNET_DETERMINISTIC='yes'"):
+        determinism.is_deterministic()

@@ -334,15 +334,13 @@ class _Conv2d(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
         if determinism.onednn_invariant(x, w, stride, pad, dilation, groups):
-            dx, dw, db = torch.ops.aten.convolution_backward(
-                dy, x, w, [w.shape[0]], list(stride), list(pad), list(dilation), False, [0, 0],
-                groups, [need_x, need_w, need_b])
+            dx, dw, db = determinism.onednn_backward(dy, x, w, stride, pad, dilation, groups,
+                                                     [need_x, need_w, need_b])
             return dx, dw, db, None, None, None, None
         dx = None
         if need_x:
-            dx = torch.ops.aten.convolution_backward(
-                dy, x, w, [w.shape[0]], list(stride), list(pad), list(dilation), False, [0, 0],
-                groups, [True, False, False])[0]
+            dx = determinism.onednn_backward(dy, x, w, stride, pad, dilation, groups,
+                                             [True, False, False])[0]
         dw, db = determinism.per_image_wgrad(dy, x, w, stride, pad, dilation, groups, need_b)
         return dx, dw if need_w else None, db, None, None, None, None
 
