@@ -132,6 +132,20 @@ class _Env:
                 self.env = lmdb.open(path, lock=False, **kw)
             except lmdb.Error as e:
                 raise DBError(f"{path}: cannot open LMDB: {e}") from None
+        _check_size(path, subdir, self.env)
+
+
+def _check_size(path: str, subdir: bool, env) -> None:
+    """LMDB maps its file: reading a page past the end of a truncated file (a copy cut short,
+    a full disk) kills the process with SIGBUS. The meta page says how many pages the last
+    commit used; a file shorter than that is a DBError before any record is read."""
+    file = os.path.join(path, "data.mdb") if subdir else path
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    have = os.path.getsize(file)
+    if have < need:
+        env.close()
+        raise DBError(f"{file}: the LMDB is truncated: its last commit uses {need} bytes, the "
+                      f"file holds {have} (an incomplete copy or a full disk?)")
 
 
 def _env(path: str):

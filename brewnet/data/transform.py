@@ -16,6 +16,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..proto import caffe_pb2 as pb
+from .db import _show
 
 log = logging.getLogger("brewnet")
 
@@ -71,16 +72,21 @@ def datum_to_chw(datum, force_color: bool = False, force_gray: bool = False, key
         color = True if force_color else (False if force_gray else None)
         img = decode_image(datum.data, color)
         if img is None:
-            raise TransformError(f"{source}: record {key!r}: encoded image does not decode "
+            raise TransformError(f"{source}: record {_show(key)}: encoded image does not decode "
                                  f"({len(datum.data)} bytes)")
         if img.dtype != np.uint8:
-            raise TransformError(f"{source}: record {key!r}: image data type must be unsigned "
+            raise TransformError(f"{source}: record {_show(key)}: image data type must be unsigned "
                                  f"byte, got {img.dtype}")
         return hwc_to_chw(img)
     shape = (datum.channels, datum.height, datum.width)
     if datum.data:
         return np.frombuffer(datum.data, np.uint8).reshape(shape)
-    return np.asarray(datum.float_data, np.float32).reshape(shape)
+    img = np.asarray(datum.float_data, np.float32).reshape(shape)
+    if not np.isfinite(img).all():
+        j = int(np.flatnonzero(~np.isfinite(img))[0])
+        raise TransformError(f"{source}: record {_show(key)} holds a non-finite value "
+                             f"({img.flat[j]} at float_data[{j}] of {img.size})")
+    return img
 
 
 def chw_to_datum(img: np.ndarray, label: int | None = None) -> "pb.Datum":
