@@ -65,8 +65,9 @@ def main() -> None:
     a = ap.parse_args()
     import logging
 
-    import brewnet  # noqa: F401  (before torch: a user's import order, brewnet/threads.py)
     import torch
+
+    import brewnet  # noqa: F401  (before torch: a user's import order, brewnet/threads.py)
     from brewnet.many.fused import FusedSolvers
     from brewnet.solvers import SOLVERS
 

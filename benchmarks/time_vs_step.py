@@ -15,7 +15,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train as T  # noqa: E402
-
 from brewnet.analysis.timing import time_net  # noqa: E402
 
 

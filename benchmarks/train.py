@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT))
 MODELS = ROOT.parent / "shared" / "caffe-models"
 
 import brewnet  # noqa: E402
-from timing import timed  # noqa: E402
 from brewnet.proto import caffe_pb2 as pb  # noqa: E402
 from brewnet.proto.io import read_net, read_solver  # noqa: E402
 from brewnet.solvers import SGDSolver  # noqa: E402
+from timing import timed  # noqa: E402
 
 # name: (solver, train_val, input shape (C, H, W), batch, Caffe CPU ms/step quoted in the issue)
 NETS = {

@@ -32,7 +32,6 @@ from torch.fx import Graph, GraphModule
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
 _LOCK = threading.Lock()   # the mode stack is per thread, but torch keeps module-level flags of it
 
 

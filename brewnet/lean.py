@@ -45,9 +45,9 @@ import time
 import torch
 
 from .errors import NetError
+from .graph_record import unbox
 from .net import _nhwc
 from .runtime import env_switch
-from .graph_record import unbox
 
 log = logging.getLogger("brewnet")
 AFTER = 10      # whole forwards with the same input shapes before the net is traced

@@ -67,7 +67,7 @@ def load_weights(net, path, require_match: bool = False) -> list[str]:
     with_params = [l.name for l in net.layer_list if l.blobs]
     left = [name for name in with_params if name not in loaded]
     if require_match and left and len(left) == len(with_params):
-    
+
         raise NetError(f"{path}: no layer with parameters of net '{net.name}' is in this weights "
                        f"file (layers are matched by name; the net's are "
                        f"{', '.join(left[:8])}{', ...' if len(left) > 8 else ''}); is it the "

@@ -15,12 +15,11 @@ import torch
 from google.protobuf import text_format
 
 import brewnet as caffe
+from brewnet.analysis.logparse import parse_log
 from brewnet.cli import COMMANDS, main
 from brewnet.layers import LAYERS
-from brewnet.analysis.logparse import parse_log
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import blob_to_array, read_binary, read_net, write_text
-
 from helpers import GOLDEN, MODELS, need
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,14 +12,13 @@ import torch
 from google.protobuf import text_format
 
 import brewnet
-from brewnet.data.datums import raw_batch, raw_layout
 from brewnet.data import db
+from brewnet.data.datums import raw_batch, raw_layout
 from brewnet.data.db import decode_datum, open_db, open_writer
 from brewnet.data.transform import datum_to_chw
 from brewnet.layers import LayerError
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import read_binaryproto, write_binaryproto
-
 from helpers import make_layer
 
 C, H, W = 3, 8, 10

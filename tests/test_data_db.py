@@ -21,7 +21,6 @@ from brewnet.data.db import DBError, decode_datum, open_db, open_writer
 from brewnet.data.transform import datum_to_chw
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import read_binaryproto
-
 from helpers import GOLDEN, MODELS, need
 
 LMDB_DIR = GOLDEN / "lmdb" / "fashion_mnist_test_lmdb"

@@ -16,7 +16,6 @@ from brewnet.data.convert import convert_imageset
 from brewnet.data.db import open_writer
 from brewnet.layers import LayerError
 from brewnet.proto import caffe_pb2 as pb
-
 from helpers import GOLDEN, MODELS, make_layer, need
 
 TEST_DATA = MODELS / "bvlc" / "src" / "caffe" / "test" / "test_data"

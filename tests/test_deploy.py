@@ -17,7 +17,6 @@ from brewnet.errors import NetError
 from brewnet.net import Net
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import read_net
-
 from helpers import MODELS, SHARED, need
 
 LENET = MODELS / "bvlc/examples/mnist/lenet.prototxt"

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import brewnet as caffe
-
 from helpers import MODELS, need
 
 MEAN = np.array([104.0, 117.0, 123.0])      # BGR, as the ImageNet nets take it

@@ -11,7 +11,6 @@ import brewnet as caffe
 from brewnet.cli import main
 from brewnet.proto.io import read_net
 from brewnet.pycaffe import draw
-
 from helpers import pick
 
 LENET = "bvlc/examples/mnist/lenet_train_test.prototxt"

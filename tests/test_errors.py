@@ -6,7 +6,6 @@ import pytest
 
 import brewnet as caffe
 from brewnet import Net
-
 from helpers import MODELS, need
 
 LENET = MODELS / "trained/lenet_mnist_ethereon/examples/mnist"

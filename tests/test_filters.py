@@ -9,7 +9,6 @@ import brewnet as caffe
 from brewnet.analysis.filters import TOP, scan
 from brewnet.analysis.heatmap import undo_transform
 from brewnet.cli import main
-
 from test_extract import N_IMAGES, model  # noqa: F401
 
 

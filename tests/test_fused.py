@@ -13,7 +13,7 @@ import torch
 
 from brewnet.data.db import open_writer
 from brewnet.data.transform import chw_to_datum
-from brewnet.many.fused import FuseError, FusedSolvers, as_dtype
+from brewnet.many.fused import FusedSolvers, FuseError, as_dtype
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import parse_text, read_binary
 from brewnet.solvers import SOLVERS

@@ -20,18 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from brewnet import Net, NetError
 from brewnet.data.convert import ListError
 from brewnet.data.db import DBError
 from brewnet.data.transform import TransformError
 from brewnet.layers import LayerError
 from brewnet.layers.bbox import BoxError
-from brewnet import Net, NetError
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.errors import ProtoError
 from brewnet.solvers.guards import LossNotFiniteError
 from brewnet.solvers.nets import SolverError
 from brewnet.tools.common import CLIError
-
 from helpers import MODELS
 
 OWN_ERRORS = (ProtoError, LayerError, NetError, SolverError, LossNotFiniteError, DBError,

@@ -16,7 +16,6 @@ from brewnet.analysis.geometry import describe, receptive_fields
 from brewnet.net import Net
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import read_net
-
 from helpers import need, pick
 
 CAFFENET = "bvlc/models/bvlc_reference_caffenet/deploy.prototxt"

@@ -20,7 +20,6 @@ import pytest
 from brewnet import Net
 from brewnet.layers import LAYERS as LAYER_TYPES
 from brewnet.proto import caffe_pb2 as pb
-
 from helpers import GOLDEN_LAYERS as LAYERS
 
 INDEX = json.loads((LAYERS / "index.json").read_text())

@@ -3,12 +3,10 @@ the data layer's transform undone, the pictures written, and the errors."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from brewnet.analysis.heatmap import heatmap, undo_transform
 from brewnet.cli import main
 from brewnet.proto import caffe_pb2 as pb
-
 from test_extract import model  # noqa: F401  (a tiny LMDB, a Data-layer net and its weights)
 
 

@@ -9,7 +9,6 @@ from PIL import Image
 
 import brewnet as caffe
 from brewnet.proto import caffe_pb2
-
 from helpers import MODELS, need
 
 IMAGES = MODELS / "bvlc" / "examples" / "images"

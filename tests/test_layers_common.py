@@ -8,7 +8,6 @@ import torch
 
 from brewnet.layers import LayerError
 from brewnet.layers.shape import reshape_shape
-
 from helpers import gradcheck_layer, make_layer
 
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from brewnet.layers import LayerError
-
 from helpers import make_layer
 
 

@@ -8,7 +8,6 @@ import torch
 
 from brewnet.layers.base import LayerError
 from brewnet.proto import caffe_pb2 as pb
-
 from helpers import gradcheck_layer, make_layer
 
 RNG = np.random.default_rng(1701)

@@ -246,8 +246,8 @@ def test_lean_matches_plain_on_models(name, batch, lean_soon, monkeypatch):
 def test_graph_is_recorded_not_exported(lean_soon, monkeypatch):
     """The graph comes from one recorded run (milliseconds); torch.export (seconds on its first
     call in a process) only when the recording refuses, with the same outputs."""
-    from brewnet.deploy import graph as deploy_graph
     from brewnet import graph_record
+    from brewnet.deploy import graph as deploy_graph
 
     exported = []
     real = deploy_graph.traced_program

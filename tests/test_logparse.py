@@ -9,9 +9,9 @@ import re
 import numpy as np
 import pytest
 
-from brewnet.cli import main
 from brewnet.analysis.glog import GlogFormatter, setup_logging
 from brewnet.analysis.logparse import glog_time, learning_rates, parse_lines, parse_log, plot_log, write_csv
+from brewnet.cli import main
 
 # A LeNet run as the real `caffe train` logs it (glog header, multi-line solver dump before
 # "Solving", the test at iteration 0 and 500, display every 100, lr policy inv).

@@ -8,12 +8,12 @@ import pytest
 from google.protobuf import text_format
 
 import brewnet as caffe
-from brewnet import layers as L, params as P
+from brewnet import layers as L
+from brewnet import params as P
 from brewnet.cli import main
 from brewnet.many.merge import MergeError
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import read_net
-
 from helpers import random_digits_lmdb
 
 

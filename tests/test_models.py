@@ -5,11 +5,9 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 import brewnet as caffe
 from brewnet.data.idx import read_idx
-
 from helpers import GOLDEN, MODELS, need
 
 LENET = np.load(need(GOLDEN / "models" / "lenet_mnist.npz"), allow_pickle=False)  # else: skip the module

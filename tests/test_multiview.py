@@ -13,7 +13,6 @@ from brewnet.cli import main
 from brewnet.data.db import open_writer
 from brewnet.data.transform import chw_to_datum
 from brewnet.proto.io import write_binaryproto
-
 from helpers import SHARED, need
 
 N, C, H, CROP, BATCH, CLASSES, SCALE = 12, 3, 10, 8, 4, 10, 0.5

@@ -8,8 +8,8 @@ import torch
 import brewnet as caffe
 from brewnet import Net, NetError
 from brewnet.passes import filter_net, make_state
-from brewnet.proto.io import parse_text
 from brewnet.proto import caffe_pb2 as pb
+from brewnet.proto.io import parse_text
 
 TINY = """
 name: "tiny"
@@ -70,8 +70,8 @@ def test_filter_include_any_exclude_any():
 
 
 def test_lenet_train_test_phases():
-    from helpers import MODELS, swap_data_layers
     from brewnet.proto.io import read_net
+    from helpers import MODELS, swap_data_layers
 
     p = swap_data_layers(read_net(str(MODELS / "bvlc/examples/mnist/lenet_train_test.prototxt")),
                          [[[64, 1, 28, 28], [64]], [[100, 1, 28, 28], [100]]])

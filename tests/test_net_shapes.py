@@ -9,7 +9,6 @@ import pytest
 
 from brewnet import Net
 from brewnet.proto.io import read_net
-
 from helpers import GOLDEN_NETS, MODELS, need, swap_data_layers
 
 SHAPES = json.loads((GOLDEN_NETS / "shapes.json").read_text())

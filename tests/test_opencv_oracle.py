@@ -23,7 +23,6 @@ from google.protobuf import text_format
 
 import brewnet as caffe
 from brewnet.proto import caffe_pb2 as pb
-
 from helpers import MODELS, need
 from opencv_cases import UNIT_CASES, fold_cases, seed_of
 

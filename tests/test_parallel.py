@@ -233,7 +233,7 @@ def test_one_process_resumes_bitwise_from_the_data_cursors(db, tmp_path):
     whole = solver(tmp_path, db, "w", 2 * B, max_iter=20, snapshot=10, display=0)
     assert main(["train", "--solver", str(whole)]) == 0
     for name, drop in (("r", False), ("c", True)):      # c: as Caffe, from the first record
-        state = tmp_path / f"w_iter_10.solverstate.cursors.json"
+        state = tmp_path / "w_iter_10.solverstate.cursors.json"
         if drop:
             state.unlink()
         assert main(["train", "--solver", str(solver(tmp_path, db, name, 2 * B, max_iter=20, snapshot=10,

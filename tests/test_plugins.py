@@ -14,8 +14,15 @@ import pytest
 import torch
 
 import brewnet
-from brewnet.layers import (LAYERS, Layer, LayerError, create_layer, layer_class, register_layer,
-                            unregister_layer)
+from brewnet.layers import (
+    LAYERS,
+    Layer,
+    LayerError,
+    create_layer,
+    layer_class,
+    register_layer,
+    unregister_layer,
+)
 from brewnet.layers.neuron import ReLU
 from brewnet.layers.registry import BUILTIN
 

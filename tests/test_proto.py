@@ -7,9 +7,23 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from brewnet.proto import (TEST, TRAIN, ProtoError, array_to_blob, blob_to_array, caffe_pb2 as pb,
-                           parse_text, read_binary, read_binaryproto, read_net, read_solver,
-                           read_text, write_binary, write_binaryproto, write_text)
+from brewnet.proto import (
+    TEST,
+    TRAIN,
+    ProtoError,
+    array_to_blob,
+    blob_to_array,
+    parse_text,
+    read_binary,
+    read_binaryproto,
+    read_net,
+    read_solver,
+    read_text,
+    write_binary,
+    write_binaryproto,
+    write_text,
+)
+from brewnet.proto import caffe_pb2 as pb
 from tests.helpers import GOLDEN, GOLDEN_LAYERS, GOLDEN_SOLVERS, MODELS, need
 
 TRAINED = MODELS / "trained"

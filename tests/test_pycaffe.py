@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import brewnet as caffe
-
 from helpers import MODELS, need
 
 LENET = MODELS / "trained/lenet_mnist_ethereon/examples/mnist"

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import brewnet  # noqa: F401  (imports every layer module, data layers included)
 from brewnet.layers.registry import BUILTIN
-
 from helpers import GOLDEN_LAYERS
 from opencv_cases import UNIT_CASES
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +15,9 @@ import pytest
 import torch
 
 import brewnet
+from brewnet import Net
 from brewnet.data.db import open_writer
 from brewnet.data.transform import chw_to_datum
-from brewnet import Net
-from brewnet.proto import caffe_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -318,8 +316,7 @@ save_weights_h5(brewnet.Net(sys.argv[1]), sys.argv[2])
 
 
 def _solver(tmp_path, fmt="HDF5"):
-    from brewnet.solvers import get_solver
-    from brewnet.solvers import load_solver_param
+    from brewnet.solvers import get_solver, load_solver_param
 
     (tmp_path / "net.prototxt").write_text(GATED_NET.replace("""layer { name: "gate" type: "Python" bottom: "data" top: "gated"
   python_param { module: "gate_layer" layer: "Gate" } }

@@ -20,7 +20,6 @@ pytest.importorskip("uvicorn")
 from PIL import Image  # noqa: E402
 
 from brewnet.net import Net  # noqa: E402
-
 from helpers import MODELS  # noqa: E402
 
 LENET = MODELS / "bvlc/examples/mnist/lenet.prototxt"

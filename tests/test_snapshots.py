@@ -13,9 +13,9 @@ import torch
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.errors import ProtoError
 from brewnet.proto.io import read_net, read_solver
-from brewnet.solvers import SOLVERS, SGDSolver, SolverError
+from brewnet.solvers import SGDSolver, SolverError
 from brewnet.solvers.snapshot import read_solverstate
-from helpers import GOLDEN, MODELS, need, swap_data_layers
+from helpers import MODELS, need, swap_data_layers
 from test_solvers import SOLVER_DIR, golden_solver
 
 TYPES = ["sgd", "nesterov", "adagrad", "rmsprop", "adadelta", "adam"]

@@ -13,8 +13,7 @@ import torch
 import brewnet
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import parse_text, read_net, read_solver
-from brewnet.solvers import (LR_POLICIES, SOLVERS, LossNotFiniteError, SGDSolver, SolverError,
-                             get_solver)
+from brewnet.solvers import LR_POLICIES, SOLVERS, LossNotFiniteError, SGDSolver, SolverError, get_solver
 from helpers import GOLDEN_SOLVERS, MODELS, need, swap_data_layers
 
 SOLVER_DIR = GOLDEN_SOLVERS

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-import brewnet as caffe
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto import parse_text
 from brewnet.solvers import SOLVERS

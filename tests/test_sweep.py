@@ -9,7 +9,6 @@ from brewnet.analysis.logparse import parse_log
 from brewnet.cli import main
 from brewnet.many.sweep import SweepError, parse_sets, variants
 from brewnet.solvers import get_solver
-
 from helpers import random_digits_lmdb
 
 NET = """name: "tiny"

@@ -12,7 +12,6 @@ from brewnet.cli import main
 from brewnet.data import db
 from brewnet.many import TrainTogether
 from brewnet.solvers import get_solver
-
 from helpers import random_digits_lmdb
 
 NET = """name: "small"

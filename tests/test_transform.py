@@ -12,7 +12,6 @@ from PIL import Image
 from brewnet.data.transform import DataTransformer, TransformError, datum_to_chw, decode_image
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import write_binaryproto
-
 from helpers import MODELS, need
 
 C, H, W = 3, 4, 5

@@ -9,9 +9,19 @@ import numpy as np
 import pytest
 
 from brewnet.cli import main as cli_main
-from brewnet.proto import (ProtoError, blob_to_array, caffe_pb2 as pb, needs_upgrade, parse_text,
-                           read_binary, read_net, read_solver, read_text, upgrade_net,
-                           upgrade_solver)
+from brewnet.proto import (
+    ProtoError,
+    blob_to_array,
+    needs_upgrade,
+    parse_text,
+    read_binary,
+    read_net,
+    read_solver,
+    read_text,
+    upgrade_net,
+    upgrade_solver,
+)
+from brewnet.proto import caffe_pb2 as pb
 from tests.helpers import GOLDEN_NETS, MODELS, have, need
 
 EVERPEACE = MODELS / "trained" / "everpeace_caffe_2014_v1format" / "examples"

@@ -15,7 +15,7 @@ import numpy as np
 from ..proto import caffe_pb2 as pb
 from .db import DBError, decode_datum, open_db, open_writer
 from .idx import read_idx
-from .transform import _seed_rng, datum_to_chw, hwc_to_chw, chw_to_datum, encode_image, read_image
+from .transform import _seed_rng, chw_to_datum, datum_to_chw, encode_image, hwc_to_chw, read_image
 
 log = logging.getLogger("brewnet")
 

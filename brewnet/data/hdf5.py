@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..layers.registry import register
 from ..layers.data import SourceLayer
+from ..layers.registry import register
 from ..proto import caffe_pb2 as pb
 from .source import check_batch
 from .transform import _seed_rng

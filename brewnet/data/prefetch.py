@@ -20,8 +20,6 @@ import threading
 import time
 from typing import Callable
 
-import torch
-
 from .. import threads
 from ..threads import usable_cores  # noqa: F401  (re-exported: the cores this process may use)
 

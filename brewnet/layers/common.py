@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from ..proto import caffe_pb2 as pb
 from . import functional as Fn
 from .base import Layer, canonical_axis, count
-from .registry import register
 from .neuron import f32
+from .registry import register
 
 Op = pb.EltwiseParameter
 

@@ -16,7 +16,6 @@ import warnings
 import numpy as np
 import torch
 
-from ..proto import caffe_pb2 as pb
 from . import bbox as B
 from .base import Layer
 from .registry import register

@@ -12,8 +12,8 @@ import torch
 
 from . import bbox as B
 from .base import Layer, count
-from .registry import register
 from .loss import NONE, VALID, normalization_mode, normalizer, softmax_loss
+from .registry import register
 
 
 def smooth_l1(d):

@@ -64,16 +64,17 @@ from ..solvers.guards import LossNotFiniteError
 from ..solvers.logprefix import log_prefix
 from ..solvers.lr_policy import policy
 from ..solvers.nets import load_solver_param
-from .fused_layers import FuseError, FusedNet
+from .fused_layers import FusedNet, FuseError
 
 log = logging.getLogger("brewnet")
 f32 = np.float32
 __all__ = ["FusedSolvers", "FuseError"]
 
 
-def net_prefix(k: int):
-    """While active, brewnet's log lines start with ``[sK] `` (the solvers' own mechanism)."""
-    return log_prefix(f"[s{k}] ")
+def net_prefix(k: int, prefixes=None):
+    """While active, brewnet's log lines start with ``[sK] `` or ``prefixes[k]`` (the solvers'
+    own mechanism)."""
+    return log_prefix(prefixes[k] if prefixes else f"[s{k}] ")
 
 
 def _col(values, like: torch.Tensor) -> torch.Tensor:
@@ -128,9 +129,11 @@ class FusedSolvers:
     """K solvers trained as one fused net; ``solvers[k]`` is net k's own Solver (``.iter``,
     ``.net``, ``.test_nets``, ``.snapshot()`` as alone). ``dtype``: cast the nets (float64 for
     checks; Caffe's numbers are float32, the default); ``exact``: each net's own kernels, bit for
-    bit each net alone (see the module docstring)."""
+    bit each net alone (see the module docstring). ``prefixes``: the nets' log prefixes (default
+    ``[s0] ``, ``[s1] ``...). ``drop(k)`` takes net k out between iterations (a search prunes
+    it); ``solving()`` is ``solve`` yielding after each iteration."""
 
-    def __init__(self, solver_params, device=None, dtype=None, exact: bool = False):
+    def __init__(self, solver_params, device=None, dtype=None, exact: bool = False, prefixes=None):
         sources = list(solver_params)            # messages or solver files
         params = [load_solver_param(p)[0] for p in sources]
         if not params:
@@ -144,9 +147,12 @@ class FusedSolvers:
                                 f"{p.iter_size}): one data stream cannot feed both")
             if p.snapshot_diff:
                 raise FuseError(f"solver {k}: snapshot_diff is not kept by fused training")
+        self.prefixes = list(prefixes) if prefixes else None
+        self.dropped: set[int] = set()           # nets taken out (drop)
+        self.finished: set[int] = set()          # nets solved to max_iter (solving)
         self.solvers = []
         for k, (src, p) in enumerate(zip(sources, params)):
-            with net_prefix(k):                  # each net built alone: its own random_seed
+            with self._prefix(k):                  # each net built alone: its own random_seed
                 self.solvers.append(SOLVERS[p.type](src, device=device))
             if dtype is not None:
                 as_dtype(self.solvers[-1], dtype)
@@ -155,9 +161,21 @@ class FusedSolvers:
                             f"{sorted(str(s.device) for s in self.solvers)}")
         k_ = len(params)
         self.order = sorted(range(k_), key=lambda k: (params[k].type, -params[k].max_iter))
-        labels = [f"net {k} ({params[k].net or params[k].train_net or 'net_param'})" for k in self.order]
         self.exact = exact
-        self.fused = FusedNet([self.solvers[k].net for k in self.order], labels, exact=exact)
+        self._fuse(source=None)
+        log.info("Fused %d nets into one: %s", k_, ", ".join(
+            f"{t} x{b - a}" for t, a, b in self.groups))
+
+    def _prefix(self, k: int):
+        return net_prefix(k, self.prefixes)
+
+    def _fuse(self, source) -> None:
+        """Stack the nets of ``self.order`` (parameters, histories, update groups); ``source``:
+        the net whose data layers feed them (default the first)."""
+        params = [s.param for s in self.solvers]
+        labels = [f"net {k} ({params[k].net or params[k].train_net or 'net_param'})" for k in self.order]
+        self.fused = FusedNet([self.solvers[k].net for k in self.order], labels, exact=self.exact,
+                              source=source)
         self._stack_histories()
         self.groups = []                         # (type, first stack position, end)
         for pos, k in enumerate(self.order):
@@ -166,8 +184,20 @@ class FusedSolvers:
             else:
                 self.groups.append([params[k].type, pos, pos + 1])
         self._lr_masks = [self._lr_mask(i) for i in range(len(self.fused.params))]
-        log.info("Fused %d nets into one: %s", k_, ", ".join(
-            f"{t} x{b - a}" for t, a, b in self.groups))
+
+    def drop(self, k: int) -> None:
+        """Take net ``k`` out of the fused net between iterations (a pruned trial): the others
+        are restacked from their current values and histories (copies, bit for bit) and go on
+        as before; the data stays where it is (its reader stays the source). Net k keeps the
+        values it had; it is trained no further."""
+        if k in self.dropped or not 0 <= k < len(self.solvers):
+            raise FuseError(f"cannot drop net {k}: not one of the running fused nets")
+        self.dropped.add(k)
+        self.order = [j for j in self.order if j != k]
+        with self._prefix(k):
+            log.info("Left the fused net at iteration %d", self.solvers[k].iter)
+        if self.order:
+            self._fuse(source=self.fused.source)
 
     def _stack_histories(self) -> None:
         n = len(self.fused.params)
@@ -203,22 +233,33 @@ class FusedSolvers:
 
     def solve(self) -> None:
         """Each net trains to its own ``max_iter`` (Caffe's ``Solver::Solve``)."""
+        for _ in self.solving():
+            pass
+
+    def solving(self):
+        """``solve`` as a generator that yields after each iteration (``drop`` may run between);
+        ``finished`` holds the nets that are done (their last test run)."""
         for k, s in enumerate(self.solvers):
-            with net_prefix(k):
+            with self._prefix(k):
                 log.info("Solving %s", s.net.name)
                 log.info("Learning Rate Policy: %s", s.param.lr_policy)
-        self._run([s.param.max_iter for s in self.solvers], final=True)
+        yield from self._running([s.param.max_iter for s in self.solvers], final=True)
 
     def _run(self, stops, final: bool) -> None:
-        start = [s.iter for s in self.solvers]
+        for _ in self._running(stops, final):
+            pass
+
+    def _running(self, stops, final: bool):
+        start = [s.iter for k, s in enumerate(self.solvers) if k not in self.dropped]
         if len(set(start)) > 1:
             raise FuseError(f"fused nets must be at one iteration, got {start}")
+        start = [s.iter for s in self.solvers]
         for s in self.solvers:
             s._losses, s.smoothed_loss = [], f32(0)
         tic = {k: (time.perf_counter(), s.iter) for k, s in enumerate(self.solvers)}
         pending: list[int] = []                  # finished nets waiting for a last loss
         while True:
-            active = [k for k, s in enumerate(self.solvers) if s.iter < stops[k]]
+            active = [k for k, s in enumerate(self.solvers) if s.iter < stops[k] and k not in self.dropped]
             if not active:
                 break
             for p in self.fused.params:
@@ -227,7 +268,7 @@ class FusedSolvers:
                 s = self.solvers[k]
                 p = s.param
                 if p.test_interval and s.iter % p.test_interval == 0 and (s.iter > 0 or p.test_initialization):
-                    with net_prefix(k):
+                    with self._prefix(k):
                         s.test_all()
             losses, outputs, first = self._forward_backward()
             self._finish(pending, first, start)
@@ -239,7 +280,7 @@ class FusedSolvers:
                 if s.param.display and s.iter % s.param.display == 0:
                     t0, last = tic[k]
                     lapse = time.perf_counter() - t0
-                    with net_prefix(k):
+                    with self._prefix(k):
                         log.info("Iteration %d (%g iter/s, %gs/%d iters), loss = %g", s.iter,
                                  (s.iter - last) / (lapse or 1), lapse, s.param.display, s.smoothed_loss)
                         s._log_outputs(s.net, "Train", {n: v[self.order.index(k)] for n, v in outputs.items()})
@@ -249,30 +290,33 @@ class FusedSolvers:
                 s = self.solvers[k]
                 s.iter += 1
                 if s.param.snapshot and s.iter % s.param.snapshot == 0:
-                    with net_prefix(k):
+                    with self._prefix(k):
                         s.snapshot()
                 if final and s.iter >= stops[k]:
                     pending.append(k)
-                    with net_prefix(k):
+                    with self._prefix(k):
                         if s.param.snapshot_after_train and (not s.param.snapshot or s.iter % s.param.snapshot != 0):
                             s.snapshot()
+            yield
         if pending:
             with torch.no_grad():
                 _, losses, _ = self.fused.forward()
             self._finish(pending, [f32(x) for x in losses.cpu().numpy()], start)
+            yield
 
     def _finish(self, pending, first_losses, start) -> None:
         """Solve's tail for nets that reached max_iter: the last display loss (the next batch,
         as alone), the last test, done."""
         for k in pending:
             s = self.solvers[k]
-            with net_prefix(k):
+            with self._prefix(k):
                 if s.param.display and s.iter % s.param.display == 0:
                     s._update_smoothed_loss(first_losses[self.order.index(k)], start[k])
                     log.info("Iteration %d, loss = %g", s.iter, s.smoothed_loss)
                 if s.param.test_interval and s.iter % s.param.test_interval == 0:
                     s.test_all()
                 log.info("Optimization Done.")
+            self.finished.add(k)
 
     def _forward_backward(self):
         """iter_size fused passes: each net's mean loss (float32, as alone), the last pass's
@@ -321,7 +365,7 @@ class FusedSolvers:
             s = self.solvers[k]
             rate, s.current_step = policy(s.param.lr_policy)(s.param, s.iter, s.current_step)
             if s.param.display and s.iter % s.param.display == 0:
-                with net_prefix(k):
+                with self._prefix(k):
                     log.info("Iteration %d, lr = %g", s.iter, rate)
             out.append(rate)
         return out
@@ -339,7 +383,7 @@ class FusedSolvers:
             scale = f32(1)
             if c >= 0 and norm > c:
                 scale = c / norm
-                with net_prefix(k):
+                with self._prefix(k):
                     log.info("Gradient clipping: scaling down gradients (L2 norm %g > %g) by "
                              "scale factor %g", norm, c, scale)
             scales.append(scale)

@@ -26,11 +26,11 @@ import torch
 
 from .. import determinism
 from ..errors import NetError
-from ..threads import TINY_FLOPS
 from ..layers import functional as Fn
 from ..layers.loss import FLT_MIN, _WeightedLogLoss, check_labels, normalizer
 from ..net import _nhwc
 from ..proto import caffe_pb2 as pb
+from ..threads import TINY_FLOPS
 
 
 class FuseError(NetError):
@@ -291,21 +291,24 @@ class FusedNet:
     """K train nets of one architecture as one net of wide operators.
 
     ``FusedNet(nets, labels)``: ``nets`` built alone (their own fillers and seeds), in the order
-    to stack them; ``labels`` name them in errors. Net 0's data layer feeds all K. ``params``:
+    to stack them; ``labels`` name them in errors. Net 0's data layer feeds all K, or
+    ``source``'s (a net of the same architecture: the one that read so far, when a net leaves
+    and the rest are fused again). ``params``:
     the stacked learnable tensors (learnable order); ``forward()`` returns (the summed weighted
     loss to backpropagate, each net's loss (K,), each net's outputs {name: K tensors})."""
 
-    def __init__(self, nets, labels, exact: bool = False):
+    def __init__(self, nets, labels, exact: bool = False, source=None):
         check_same_architecture(nets, labels)
         self.nets, self.k, self.exact = nets, len(nets), exact
+        self.source = source if source is not None else nets[0]
         ref = nets[0]
         for layer in ref.layer_list:
             if not _is_source(layer) and layer.type not in WIDE:
                 raise FuseError(f"layer '{layer.name}' of type {layer.type} has no fused form "
                                 f"(fused: data layers, {', '.join(sorted(WIDE))})")
         self.channels = {n: (s[1] if len(s) > 1 else None) for n, s in ref.shapes.items()}
-        for net in nets[1:]:                     # one data stream: the others stop reading ahead
-            for layer in net.layer_list:
+        for net in (n for n in nets if n is not self.source):   # one data stream: the others
+            for layer in net.layer_list:                         # stop reading ahead
                 if getattr(layer, "prefetcher", None) is not None:
                     layer.prefetcher.close()
                     layer.prefetcher = None       # (a forward of that net alone still reads)
@@ -316,8 +319,9 @@ class FusedNet:
         vals: dict[str, Val] = {}
         for i, layer in enumerate(ref.layer_list):
             if _is_source(layer):
-                tops = [Val("shared", t) for t in layer.forward([])]
-                _share_position(layer, [net.layer_list[i] for net in self.nets[1:]])
+                reader = self.source.layer_list[i]
+                tops = [Val("shared", t) for t in reader.forward([])]
+                _share_position(reader, [net.layer_list[i] for net in self.nets if net is not self.source])
             else:
                 fn, arg = WIDE[layer.type]
                 if self.exact and layer.type in ("Convolution", "InnerProduct"):

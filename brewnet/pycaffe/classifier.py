@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..proto import caffe_pb2 as pb
 from . import io
 from .net import Net
-from ..proto import caffe_pb2 as pb
 
 
 def deploy_transformer(net, mean=None, input_scale=None, raw_scale=None, channel_swap=None):

@@ -11,10 +11,10 @@ import math
 
 import numpy as np
 
+from ..proto import caffe_pb2 as pb
 from . import io
 from .classifier import deploy_transformer
 from .net import Net
-from ..proto import caffe_pb2 as pb
 
 
 def _round(x: float) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..proto import caffe_pb2
 from ..data.transform import cv
+from ..proto import caffe_pb2
 from ..proto.io import array_to_blob
 
 __all__ = ["blobproto_to_array", "array_to_blobproto", "arraylist_to_blobprotovector_str",

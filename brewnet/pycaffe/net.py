@@ -12,8 +12,8 @@ import numpy as np
 
 from .. import net as core
 from .. import runtime, threads
-from ..lean import LeanForward
 from ..blob import ParamBlob
+from ..lean import LeanForward
 from ..net import NetError
 
 

@@ -26,8 +26,8 @@ from . import step_graph
 from .guards import LossNotFiniteError, nonfinite_origin, signal_effects
 from .logprefix import prefixed
 from .lr_policy import policy
-from .nets import (SolverError, load_solver_param, make_test_nets, make_train_net, pick_device,
-                   resolve as _resolve, share_weights)
+from .nets import SolverError, load_solver_param, make_test_nets, make_train_net, pick_device, share_weights
+from .nets import resolve as _resolve
 
 log = logging.getLogger("brewnet")
 f32 = np.float32
@@ -499,8 +499,8 @@ class Solver:
     def snapshot(self) -> str:
         """Write ``<prefix>_iter_N.caffemodel[.h5]`` and ``.solverstate[.h5]``; returns the
         solver state's path."""
-        from ..weights import net_to_proto, save_weights_h5
         from ..proto.io import remove_stale_temps, write_binary
+        from ..weights import net_to_proto, save_weights_h5
 
         self._store_steps()
         ranks = [cursors.capture(self.net)]

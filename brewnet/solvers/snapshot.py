@@ -14,8 +14,15 @@ import numpy as np
 
 from ..proto import caffe_pb2 as pb
 from ..proto.errors import ProtoError
-from ..proto.io import (array_to_blob, blob_to_array, fsync_dir, fsync_path, read_binary,
-                        temp_for, write_binary)
+from ..proto.io import (
+    array_to_blob,
+    blob_to_array,
+    fsync_dir,
+    fsync_path,
+    read_binary,
+    temp_for,
+    write_binary,
+)
 
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 

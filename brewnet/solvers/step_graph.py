@@ -41,8 +41,8 @@ from contextlib import contextmanager
 import torch
 
 from .. import backprop
-from ..runtime import env_switch
 from ..graph_record import unbox
+from ..runtime import env_switch
 from .graph_ops import split_side_tops
 
 log = logging.getLogger("brewnet")

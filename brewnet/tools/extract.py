@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import logging
 
-from .common import (USER_ERRORS, add_gpu_flag, add_net_state_flags, progress_bar, report,
-                     size_threads, trained_net)
+from .common import (
+    USER_ERRORS,
+    add_gpu_flag,
+    add_net_state_flags,
+    progress_bar,
+    report,
+    size_threads,
+    trained_net,
+)
 
 COMMAND = "extract"
 HELP = "extract features: write chosen blobs of N test batches to .npy, .h5, .lmdb or .txt"

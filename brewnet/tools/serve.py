@@ -22,8 +22,17 @@ import sys
 import tempfile
 import time
 
-from .common import (USER_ERRORS, CLIError, add_bool, add_gpu_flag, add_image_flags, image_transformer,
-                     log_to_stderr, report, single_device)
+from .common import (
+    USER_ERRORS,
+    CLIError,
+    add_bool,
+    add_gpu_flag,
+    add_image_flags,
+    image_transformer,
+    log_to_stderr,
+    report,
+    single_device,
+)
 
 COMMAND = "serve"
 HELP = "serve a classifier over HTTP: POST /predict, GET /healthz, GET /metrics"

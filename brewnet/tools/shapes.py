@@ -13,8 +13,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..net import Net
     from ..analysis.summary import format_table
+    from ..net import Net
 
     net = Net(args.model, 0 if args.phase == "TRAIN" else 1, level=args.level,
               stages=[s for s in args.stage.split(",") if s])

@@ -20,8 +20,19 @@ import logging
 
 import numpy as np
 
-from .common import (USER_ERRORS, CLIError, add_gpu_flag, add_image_flags, add_net_state_flags,
-                     image_transformer, ints, report, single_device, size_threads, trained_net)
+from .common import (
+    USER_ERRORS,
+    CLIError,
+    add_gpu_flag,
+    add_image_flags,
+    add_net_state_flags,
+    image_transformer,
+    ints,
+    report,
+    single_device,
+    size_threads,
+    trained_net,
+)
 
 COMMAND = "test"
 HELP = "score a model: run N test batches and average its outputs (Caffe's 'caffe test')"

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import logging
 
-from .common import USER_ERRORS, add_gpu_flag, add_net_state_flags, report, single_device, size_threads, stages
+from .common import (
+    USER_ERRORS,
+    add_gpu_flag,
+    add_net_state_flags,
+    report,
+    single_device,
+    size_threads,
+    stages,
+)
 
 COMMAND = "time"
 HELP = "benchmark a model: average forward/backward time per layer and in total (Caffe's 'caffe time')"
@@ -35,9 +43,9 @@ def run(args) -> int:
         return report(COMMAND, f"--iterations must be at least 1, got {args.iterations}")
     try:
         from .. import runtime
+        from ..analysis.timing import time_net
         from ..net import Net
         from ..proto import caffe_pb2 as pb
-        from ..analysis.timing import time_net
 
         device = single_device(args.gpu, COMMAND)
         runtime.configure(device, keep_memory=True)   # time steady-state steps, as training runs them

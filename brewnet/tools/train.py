@@ -25,9 +25,19 @@ import logging
 import time
 import types
 
-from .common import (USER_ERRORS, CLIError, add_gpu_flag, add_net_state_flags, parse_gpus,
-                     prefetching_layers, progress_bar, report, resize_threads_after, size_threads,
-                     stages)
+from .common import (
+    USER_ERRORS,
+    CLIError,
+    add_gpu_flag,
+    add_net_state_flags,
+    parse_gpus,
+    prefetching_layers,
+    progress_bar,
+    report,
+    resize_threads_after,
+    size_threads,
+    stages,
+)
 
 COMMAND = "train"
 HELP = "train or finetune a model from a solver prototxt (Caffe's 'caffe train')"
@@ -105,6 +115,7 @@ def _child_argv(args) -> list[str]:
 
 def _device(args, param, world=None):
     import torch
+
     from ..proto import caffe_pb2 as pb
 
     gpus = parse_gpus(args.gpu)

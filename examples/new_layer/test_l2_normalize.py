@@ -2,11 +2,11 @@
 reference, backward against the formula and Caffe's gradient checker. Run: pytest examples/new_layer"""
 from __future__ import annotations
 
+import l2_normalize  # noqa: F401  (registers L2Normalize; an installed plugin needs no import)
 import numpy as np
 import pytest
 import torch
 
-import l2_normalize  # noqa: F401  (registers L2Normalize; an installed plugin needs no import)
 from brewnet.layers import create_layer
 from brewnet.testing import GradientChecker
 

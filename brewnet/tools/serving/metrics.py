@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import (CollectorRegistry, Counter, Histogram, Summary, disable_created_metrics,
-                               generate_latest)
-from prometheus_client import multiprocess
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Summary,
+    disable_created_metrics,
+    generate_latest,
+    multiprocess,
+)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
