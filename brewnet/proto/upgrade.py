@@ -4,7 +4,8 @@
 conv/pool) -> V1; data-layer transform fields -> ``transform_param``; V1 ``layers`` -> V2
 ``layer``; ``input``/``input_shape``/``input_dim`` -> an ``Input`` layer; old BatchNorm param
 specs -> lr_mult/decay_mult 0. brewnet adds one step: PoolingParameter ``ceil_mode`` (a
-fork field) -> ``round_mode``. ``upgrade_solver`` turns the ``solver_type`` enum into ``type``.
+fork field) -> ``round_mode``, and fork layer messages stored at a fork's own field number in binary
+files -> brewnet's field (``upgrade_fork_fields``). ``upgrade_solver`` turns the ``solver_type`` enum into ``type``.
 Problems Caffe treats as fatal raise ProtoError; those it tolerates are logged and skipped.
 """
 from __future__ import annotations
@@ -147,7 +148,7 @@ def needs_upgrade(net) -> bool:
     """True if ``net`` uses any legacy form that ``upgrade_net`` rewrites."""
     return (needs_v0_upgrade(net) or needs_data_upgrade(net) or needs_v1_upgrade(net)
             or needs_input_upgrade(net) or needs_batchnorm_upgrade(net)
-            or needs_ceil_mode_upgrade(net))
+            or needs_ceil_mode_upgrade(net) or needs_fork_fields_upgrade(net))
 
 
 # ----------------------------------------------------------------------------------- net
@@ -180,6 +181,10 @@ def upgrade_net(net, source: str = "<net>"):
     if needs_ceil_mode_upgrade(out):
         log.info("Mapping PoolingParameter ceil_mode to round_mode in %s", source)
         upgrade_ceil_mode(out)
+    if needs_fork_fields_upgrade(out):
+        log.info("Reading fork layer fields at their forks' numbers in %s", source)
+        upgrade_fork_fields(out)
+    check_fork_collisions(out, source)
     return out
 
 
@@ -396,6 +401,93 @@ def upgrade_ceil_mode(net) -> None:
                              f"{pb.PoolingParameter.RoundMode.Name(p.round_mode)}")
         p.round_mode = mode
         p.ClearField("ceil_mode")
+
+
+# ----------------------------------------------------------------------------- fork numbers
+
+# Binary files of Caffe forks keep some layer messages at a number brewnet's schema gives to
+# another field (caffe.proto, "Fork layers"): (layer types, that number, the field brewnet's
+# schema has there or None when it is unknown to it, the field the fork meant, the fork).
+FORK_NUMBERS = [
+    (("Interp",), 143, "input_param", "interp_param", "DeepLab v2 / PSPNet"),
+    (("Upsample",), 137, "embed_param", "upsample_param", "SegNet"),
+    (("SmoothL1Loss",), 148, "clip_param", "smooth_l1_loss_param", "a Fast R-CNN port"),
+    (("Proposal",), 201, "multibox_loss_param", "proposal_param", "OpenCV / C++ Faster R-CNN ports"),
+    (("Region",), 149, "reorg_param", "region_param", "YOLOv2 ports"),
+    (("PSROIPooling",), 10001, None, "psroi_pooling_param", "R-FCN"),
+    (("PSROIPooling",), 10002, None, "psroi_pooling_param", "py-R-FCN / OpenCV"),
+    (("BN",), 45, None, "bn_param", "SegNet"),
+]
+_SEGNET_BN_MODE = 3   # SegNet's BNParameter.bn_mode: a varint where PSPNet's momentum is a float
+
+
+def _unknown(msg, number: int) -> list:
+    from google.protobuf.unknown_fields import UnknownFieldSet
+
+    return [f for f in UnknownFieldSet(msg) if f.field_number == number]
+
+
+def _fork_pending(layer) -> list:
+    """(number, bytes, target, fork, field here) for each fork message ``layer`` holds at a fork number."""
+    out = []
+    for types, number, here, target, fork in FORK_NUMBERS:
+        if layer.type not in types:
+            continue
+        if here is not None and layer.HasField(here):
+            out.append((number, getattr(layer, here).SerializePartialToString(), target, fork,
+                        here))
+        for f in _unknown(layer, number) if here is None else ():
+            out.append((number, f.data, target, fork, None))
+    return out
+
+
+def needs_fork_fields_upgrade(net) -> bool:
+    return any(_fork_pending(layer) for layer in net.layer)
+
+
+def upgrade_fork_fields(net) -> None:
+    """brewnet extension: move fork layer messages read at a colliding field number (binary
+    files only; text names the field) to brewnet's field for them, by layer type (FORK_NUMBERS).
+    SegNet's BN keeps its fillers at 1 and 2 (brewnet's slope/bias fillers, the same blobs); its
+    bn_mode (3) becomes ``bn_mode``."""
+    for layer in net.layer:
+        for number, data, target, fork, here in _fork_pending(layer):
+            msg = getattr(layer, target)
+            msg.MergeFromString(data)
+            if here is not None:
+                layer.ClearField(here)
+            if target == "bn_param":
+                for f in _unknown(msg, _SEGNET_BN_MODE):
+                    msg.bn_mode = f.data
+            if _has_unknown(msg):
+                raise ProtoError(f"layer '{layer.name}' (type {layer.type}): field {number} "
+                                 f"does not decode as {fork}'s {target} either")
+            msg.DiscardUnknownFields()
+            log.info("layer '%s' (type %s): field %d read as %s's %s", layer.name, layer.type,
+                     number, fork, target)
+
+
+def _has_unknown(msg) -> bool:
+    from google.protobuf.unknown_fields import UnknownFieldSet
+
+    if msg.DESCRIPTOR.name == "BNParameter":
+        return any(f.field_number != _SEGNET_BN_MODE for f in UnknownFieldSet(msg))
+    return len(UnknownFieldSet(msg)) > 0
+
+
+def check_fork_collisions(net, source: str = "<net>") -> None:
+    """A layer of another type whose field at a colliding number does not decode as brewnet's
+    field: the file needs a fork's reading brewnet does not apply to that type. One clear
+    error naming the layer, the field and the forks."""
+    for layer in net.layer:
+        for types, number, here, target, fork in FORK_NUMBERS:
+            if here is None or layer.type in types or not layer.HasField(here):
+                continue
+            if _has_unknown(getattr(layer, here)):
+                raise ProtoError(
+                    f"{source}: layer '{layer.name}' (type {layer.type}): field {number} does "
+                    f"not decode as {here}; {fork} store {target} there, which brewnet reads "
+                    f"only for type {' or '.join(types)}")
 
 
 # ----------------------------------------------------------------------------------- solver
