@@ -32,26 +32,25 @@ from .deploy import to_torch  # noqa: E402
 from .determinism import is_deterministic, set_deterministic  # noqa: E402
 from . import video  # noqa: E402,F401  (brewnet.video.VideoNet)
 from .surgery import fully_convolutional  # noqa: E402
-from .layers import layer_types as _layer_types  # noqa: E402
 from .layers import register_layer  # noqa: E402  (plugins: @brewnet.register_layer("Type"))
 from .layers.python import Layer  # noqa: E402  (base class of Python layers)
 from .many.merge import merge_indep_net_spec, merge_nets  # noqa: E402  (nideep's merge)
 from .net import NetError  # noqa: E402
 from .proto import caffe_pb2  # noqa: E402
 from .proto.caffe_pb2 import TEST, TRAIN  # noqa: E402
-from .pycaffe import coord_map, draw  # noqa: E402  (pycaffe's caffe.coord_map, caffe.draw)
+from . import pycaffe  # noqa: E402
+from .pycaffe import coord_map, draw, classifier, detector, net_spec, _caffe  # noqa: E402,F401
 from .pycaffe import (AdaDeltaSolver, AdaGradSolver, AdamSolver, Classifier, Detector,  # noqa: E402
                       NesterovSolver, Net, NetSpec, RMSPropSolver, SGDSolver, get_solver, io, params, set_device,
                       set_mode_cpu, set_mode_gpu, set_random_seed, to_proto)
 from .pycaffe import (NCCL, has_nccl, set_multiprocess, set_solver_count, set_solver_rank,  # noqa: E402
                       solver_count, solver_rank)
-from .pycaffe import init_log, log  # noqa: E402
+from .pycaffe import Timer, init_log, layer_type_list, log  # noqa: E402
 
-
-def layer_type_list() -> list[str]:
-    """Every registered layer type, installed plugins included (pycaffe's ``caffe.layer_type_list``)."""
-    return _layer_types()
-
+# pycaffe's modules importable under pycaffe's names, as the same objects (as os.path is
+# posixpath): `import brewnet.io`, and through brewnet_alias `from caffe.coord_map import crop`.
+for _name in pycaffe.MODULES:
+    _sys.modules[f"{__name__}.{_name}"] = getattr(pycaffe, _name)
 
 __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu", "set_mode_gpu",
            "set_device", "set_random_seed", "layer_type_list", "SGDSolver", "NesterovSolver",
@@ -59,4 +58,5 @@ __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu"
            "Layer", "register_layer", "Classifier", "Detector", "coord_map", "draw", "layers",
            "params", "NetSpec", "to_proto", "to_torch", "merge_indep_net_spec", "merge_nets",
            "fully_convolutional", "set_deterministic", "is_deterministic", "__version__", "NCCL",
-           "has_nccl", "set_solver_count", "set_solver_rank", "set_multiprocess", "solver_count", "solver_rank", "init_log", "log"]
+           "has_nccl", "set_solver_count", "set_solver_rank", "set_multiprocess", "solver_count",
+           "solver_rank", "init_log", "log", "Timer", "classifier", "detector", "net_spec", "pycaffe"]

@@ -70,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, mod in sorted(COMMANDS.items()):
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)
-    argv = _gnu_flags(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
     k = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if k is not None and getattr(COMMANDS.get(argv[k]), "PASS_THROUGH", False):
+        return _run_pass_through(parser, argv, k)
+    argv = _gnu_flags(argv)
     if k is not None and argv[k] in sub.choices:
         unknown = _unknown_flags(argv[k + 1:], sub.choices[argv[k]])
         if unknown:
@@ -85,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:   # Ctrl-C outside a command's own handlers: no traceback
         print(f"brewnet {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _run_pass_through(parser, argv: list[str], k: int) -> int:
+    """A command that runs someone else's program (``brewnet run``): brewnet's own flags come
+    before the program's name; everything after it is the program's, untouched."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    mod = COMMANDS[argv[k]]
+    if any(a in ("-h", "--help") for a in argv[:k]):
+        parser.parse_args(argv)
+    args = mod.parse_args(sub.choices[argv[k]], argv[k + 1:])
+    args.command = argv[k]
+    return mod.run(args) or 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,42 @@
+"""pycaffe's ``caffe.Timer`` (Caffe's CPU Timer): ``start()``, ``stop()``, ``ms``.
+
+As Caffe's: ``start`` on a running timer and ``stop`` on a stopped one do nothing; ``ms`` is the
+last start-to-stop span (stopping a running timer first), 0 with a warning before any start.
+python/train.py --timing starts and stops one per layer from the Net's hooks.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+_log = logging.getLogger("brewnet")
+
+
+class Timer:
+    """A wall-clock span in milliseconds, started and stopped by hand."""
+
+    def __init__(self):
+        self._start = self._stop = None
+        self._running = False
+
+    def start(self) -> None:
+        if not self._running:
+            self._start = time.perf_counter()
+            self._running = True
+
+    def stop(self) -> None:
+        if self._running:
+            self._stop = time.perf_counter()
+            self._running = False
+
+    @property
+    def ms(self) -> float:
+        if self._start is None:
+            _log.warning("Timer has never been run before reading time.")
+            return 0.0
+        self.stop()
+        return (self._stop - self._start) * 1000.0
+
+    @property
+    def seconds(self) -> float:
+        return self.ms / 1000.0
