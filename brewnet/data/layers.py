@@ -234,4 +234,4 @@ class ImageData(Prefetching):
         return list(self.shapes)
 
 
-from . import hdf5, window  # noqa: E402,F401  (register HDF5Data, HDF5Output, WindowData)
+from . import annotated, hdf5, window  # noqa: E402,F401  (register AnnotatedData, HDF5Data, HDF5Output, WindowData)
