@@ -150,6 +150,7 @@ class FusedSolvers:
         self.prefixes = list(prefixes) if prefixes else None
         self.dropped: set[int] = set()           # nets taken out (drop)
         self.finished: set[int] = set()          # nets solved to max_iter (solving)
+        self._tested: dict[int, int] = {}        # net -> the iteration of its last test
         self.solvers = []
         for k, (src, p) in enumerate(zip(sources, params)):
             with self._prefix(k):                  # each net built alone: its own random_seed
@@ -168,6 +169,9 @@ class FusedSolvers:
 
     def _prefix(self, k: int):
         return net_prefix(k, self.prefixes)
+
+    def _label(self, k: int) -> str:
+        return self.prefixes[k] if self.prefixes else f"[s{k}] "
 
     def _fuse(self, source) -> None:
         """Stack the nets of ``self.order`` (parameters, histories, update groups); ``source``:
@@ -267,9 +271,11 @@ class FusedSolvers:
             for k in active:
                 s = self.solvers[k]
                 p = s.param
-                if p.test_interval and s.iter % p.test_interval == 0 and (s.iter > 0 or p.test_initialization):
+                if p.test_interval and s.iter % p.test_interval == 0 and (s.iter > 0 or p.test_initialization) \
+                        and self._tested.get(k) != s.iter:      # (once, if an iteration is rerun)
                     with self._prefix(k):
                         s.test_all()
+                    self._tested[k] = s.iter
             losses, outputs, first = self._forward_backward()
             self._finish(pending, first, start)
             pending = []
@@ -333,7 +339,9 @@ class FusedSolvers:
         for pos, v in enumerate(values):
             if not math.isfinite(v):
                 k = self.order[pos]
-                raise LossNotFiniteError(f"[s{k}] Iteration {self.solvers[k].iter}: loss is {v}")
+                err = LossNotFiniteError(f"{self._label(k)}Iteration {self.solvers[k].iter}: loss is {v}")
+                err.solver_index = k             # which net (a search fails its trial alone)
+                raise err
         return values, outputs, first
 
     def _update(self, active: set) -> None:

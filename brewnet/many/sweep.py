@@ -33,7 +33,9 @@ class SweepError(SolverError):
     """A ``--set`` that cannot be applied; the message names the key and value."""
 
 
-def _value(fd, key: str, text: str):
+def _value(fd, key: str, text: str, where: str | None = None):
+    """``text`` as a value of field ``fd``; errors start with ``where`` (default ``--set KEY``)."""
+    where = where or f"--set {key}"
     t = text.strip()
     try:
         if fd.type in _FLOATS:
@@ -42,19 +44,19 @@ def _value(fd, key: str, text: str):
             return int(t)
     except ValueError:
         kind = "a number" if fd.type in _FLOATS else "an integer"
-        raise SweepError(f"--set {key}: {key} takes {kind}, got '{t}'") from None
+        raise SweepError(f"{where}: {key} takes {kind}, got '{t}'") from None
     if fd.type == FD.TYPE_BOOL:
         if t.lower() not in ("true", "false", "1", "0"):
-            raise SweepError(f"--set {key}: {key} takes true or false, got '{t}'")
+            raise SweepError(f"{where}: {key} takes true or false, got '{t}'")
         return t.lower() in ("true", "1")
     if fd.type == FD.TYPE_ENUM:
         names = [v.name for v in fd.enum_type.values]
         if t not in names:
-            raise SweepError(f"--set {key}: {key} takes one of {', '.join(names)}, got '{t}'")
+            raise SweepError(f"{where}: {key} takes one of {', '.join(names)}, got '{t}'")
         return fd.enum_type.values_by_name[t].number
     if fd.type == FD.TYPE_STRING:
         return t
-    raise SweepError(f"--set {key}: {key} is a message; sweep scalar fields only")
+    raise SweepError(f"{where}: {key} is a message; give scalar fields only")
 
 
 def parse_sets(specs) -> list[tuple[str, list]]:

@@ -234,6 +234,8 @@ class TrainTogether:
                  len(self.streams))
         for st in self.streams:
             log.info("Data stream of %s: read for %s", st.who, ", ".join(st.consumers))
+        self.dropped: set[int] = set()
+        self._active: list[int] = []
         self.drawing = {k for k, s in enumerate(self.solvers) if draws_random(s)}
         self.groups = plan_groups(self.solvers, self.drawing, worker_count(self.solvers, threads))
         if len(self.groups) > 1:
@@ -271,6 +273,7 @@ class TrainTogether:
             return False
         except (ValueError, OSError, FloatingPointError) as e:
             e.args = (f"solver {k} ({self.prefixes[k].strip()}): {e}",) + e.args[1:]
+            e.solver_index = k           # which solver (a search fails its trial alone)
             raise
         except Exception as e:      # torch's RuntimeErrors...: the traceback names the solver
             e.add_note(f"in solver {k} ({self.prefixes[k].strip()}) of TrainTogether")
@@ -280,7 +283,14 @@ class TrainTogether:
                 self._rng[k] = self._rng_state(s)
 
     def _run(self, runs, detach: bool, on_finished=None) -> None:
-        active = list(range(len(runs)))
+        for _ in self._rounds(runs, detach, on_finished):
+            pass
+
+    def _rounds(self, runs, detach: bool, on_finished=None):
+        """One iteration of every live solver per round, yielding after each round; a solver
+        ``drop`` takes out between rounds is stepped no further."""
+        active = [k for k in range(len(runs)) if k not in self.dropped]
+        self._active = active
 
         def done(k):
             active.remove(k)
@@ -289,11 +299,13 @@ class TrainTogether:
             if on_finished is not None:
                 on_finished(k)
         if len(self.groups) > 1:
-            return self._run_threaded(runs, active, done)
+            yield from self._run_threaded(runs, active, done)
+            return
         while active:
             for k in list(active):
-                if not self._advance(k, runs[k]):
+                if k in active and not self._advance(k, runs[k]):
                     done(k)
+            yield
 
     def _round(self, ks, runs) -> list[int]:
         """One iteration of each solver in ``ks`` (a worker thread's group); those done. Only
@@ -329,10 +341,24 @@ class TrainTogether:
                         raise error
                     for k in sorted(finished):
                         done(k)
+                    yield
         finally:
             for s in self.solvers:
                 s.threads.pinned = None
             torch.set_num_threads(before)
+
+    def drop(self, k: int) -> None:
+        """Take solver ``k`` out between rounds of ``solving`` (a search prunes it): it reads
+        and trains no more; the others go on exactly as before (its batches are no longer kept
+        for it)."""
+        if k in self.dropped or not 0 <= k < len(self.solvers):
+            raise SolverError(f"train together: cannot drop solver {k}: not one that is running")
+        self.dropped.add(k)
+        if k in self._active:
+            self._active.remove(k)
+        self.finished(k)
+        with log_prefix(self.prefixes[k]):
+            log.info("Left the solvers trained together at iteration %d", self.solvers[k].iter)
 
     def finished(self, k: int) -> None:
         """Solver ``k`` reads no more (it solved to max_iter): its streams stop keeping batches
@@ -355,9 +381,15 @@ class TrainTogether:
         """Each solver to its own ``max_iter`` (``resume_files``: a .solverstate or None per
         solver); the signal handlers act on all of them; ``on_finished(k)`` is called as
         solver ``k`` ends."""
-        resume = list(resume_files) if resume_files else [None] * len(self.solvers)
         with signal_effects(self.request_action, sigint_effect, sighup_effect):
-            self._run([s.solving(r) for s, r in zip(self.solvers, resume)], True, on_finished)
+            for _ in self.solving(resume_files, on_finished):
+                pass
+
+    def solving(self, resume_files=None, on_finished=None):
+        """``solve`` as a generator that yields after each round (one iteration of every live
+        solver); ``drop(k)`` may run between rounds."""
+        resume = list(resume_files) if resume_files else [None] * len(self.solvers)
+        yield from self._rounds([s.solving(r) for s, r in zip(self.solvers, resume)], True, on_finished)
 
     def size_threads(self, data_busy: float | None = None) -> int:
         """Torch's threads, once for the whole process: next to the streams' producers (a core

@@ -1,0 +1,347 @@
+"""``brewnet search``: Optuna asks, brewnet trains up to K trials at a time on one data stream.
+
+``Search(solver, space, trials=N, group=K, ...)``: ``run()`` asks the study for up to K trials
+(ask-and-tell), applies each one's values to the solver and its nets (``space.Space``) and
+trains them as one group: fused when their architectures match (``FusedSolvers``), else
+together (``TrainTogether``), each batch read once for the group. At each test (every
+``test_interval``; not the one at iteration 0, which tells nothing of a setting) each net's
+objective, a named TEST output, is reported to its trial; a trial the pruner stops leaves its
+group at once (``drop``: the others go on with the bits they would have had) and the freed slot
+starts the next trial in a new group beside the running ones. A trial's objective is its last
+test's value. Groups take turns an iteration at a time.
+
+Each trial lives in ``OUT/trials/<number>/``: its solver and net prototxts, its last snapshot
+(``snapshot`` is off, ``snapshot_after_train`` on: a trial restarts from scratch when retried),
+its own log ``train.log``. Trials whose solver sets no ``random_seed`` get ``seed`` (default
+1701): every trial starts from the same draw unless the space searches ``random_seed``. With
+``seed`` given, the sampler is seeded per trial by its number, so a search run again in one
+worker asks the same trials and gets the same objectives. ``trials`` counts the study's trials
+over every worker (a retry of a dead worker's trial counts once).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..solvers.logprefix import log_prefix
+from . import study as st
+from .space import SearchError, Space, write_prototxts
+
+log = logging.getLogger("brewnet")
+NET_SEED = 1701
+USER_ERRORS = (ValueError, OSError, FloatingPointError)     # a trial's bad net or diverging loss
+
+
+@dataclass
+class Member:
+    """A trial in training: its Optuna trial, solver, folder, and what its tests said."""
+    trial: object
+    param: object
+    folder: str
+    t0: float = field(default_factory=time.perf_counter)
+    last: float | None = None
+    seen: object = None
+    handler: object = None
+
+    @property
+    def prefix(self) -> str:
+        return f"[t{self.trial.number}] "
+
+
+class _TrialLog(logging.Formatter):
+    """A trial's own lines, glog-formatted, without its prefix."""
+
+    def __init__(self, prefix: str):
+        from ..analysis.glog import GlogFormatter
+
+        super().__init__()
+        self.prefix, self.glog = prefix, GlogFormatter()
+
+    def format(self, record) -> str:
+        return self.glog.format(record).replace("] " + self.prefix, "] ", 1)
+
+
+class Group:
+    """Trials trained at once: ``engine`` "fused" or "together"; ``step()`` runs one iteration
+    of every member still in; ``drop(i)`` takes member i out; ``done(i)``: solved, last test run."""
+
+    def __init__(self, members, device=None, fuse=None, exact=False):
+        from .fused import FuseError, FusedSolvers
+        from .together import TrainTogether
+
+        self.members = members
+        params = [m.param for m in members]
+        prefixes = [m.prefix for m in members]
+        self.runner, why = None, "--no-fuse"
+        if fuse is not False:
+            try:
+                self.runner = FusedSolvers(params, device=device, exact=exact, prefixes=prefixes)
+            except FuseError as e:
+                if fuse:
+                    raise SearchError(f"cannot fuse trials {self.numbers()}: {e}") from None
+                why = str(e)
+        self._done: set[int] = set()
+        if self.runner is not None:
+            self.engine = "fused"
+            self._gen = self.runner.solving()
+        else:
+            self.engine = "together"
+            if len(members) > 1:
+                log.info("Trials %s trained together, not fused: %s", self.numbers(), why)
+            self.runner = TrainTogether(params, device=device, prefixes=prefixes)
+            self._runs = [s.solving() for s in self.runner.solvers]
+            self._gen = self._rounds()
+        self.out: set[int] = set()           # dropped or done
+        self.failed: list[tuple[int, str]] = []     # (member, why) not yet told
+        self.over = False
+
+    def _rounds(self):
+        return self.runner._rounds(self._runs, True, self._done.add)
+
+    def numbers(self) -> str:
+        return ", ".join(str(m.trial.number) for m in self.members)
+
+    @property
+    def solvers(self):
+        return self.runner.solvers
+
+    def live(self) -> list[int]:
+        return [i for i in range(len(self.members)) if i not in self.out]
+
+    def step(self) -> None:
+        try:
+            next(self._gen)
+        except StopIteration:
+            self.over = True
+        except FloatingPointError as e:      # a diverging net: its trial fails, the rest go on
+            k = getattr(e, "solver_index", None)
+            if k is None or k in self.out:
+                raise
+            self.failed.append((k, str(e)))
+            self.drop(k)
+            if self.engine == "fused":
+                self._gen = self.runner._running([s.param.max_iter for s in self.solvers], final=True)
+            else:
+                self._gen = self._rounds()
+
+    def done(self, i: int) -> bool:
+        return i in (self.runner.finished if self.engine == "fused" else self._done)
+
+    def drop(self, i: int) -> None:
+        self.out.add(i)
+        if not self.over:
+            self.runner.drop(i)
+
+
+class Search:
+    """An Optuna study of ``space`` (a ``Space`` or a YAML file) over ``solver``; ``run()``
+    trains until the study has ``trials`` trials (see the module docstring). ``objective``:
+    "NAME[:max|min]"; ``sampler``/``pruner``: names (``study.SAMPLERS``/``PRUNERS``) or Optuna
+    objects; ``storage``: a URL or journal path (default ``out/study.journal``); ``on_told(trial)``
+    is called as each trial ends here."""
+
+    def __init__(self, solver, space, trials: int, out: str, group: int = 4,
+                 objective: str = "accuracy:max", sampler="tpe", pruner="median", storage=None,
+                 study: str | None = None, seed: int | None = None, device=None, fuse=None,
+                 exact: bool = False, heartbeat: int = 60, on_told=None):
+        if trials < 1 or group < 1:
+            raise SearchError(f"--trials and --group must be >= 1, got {trials} and {group}")
+        self.space = space if isinstance(space, Space) else Space.load(space, solver)
+        self.trials, self.k, self.out, self.seed = trials, group, os.path.abspath(out), seed
+        self.device, self.fuse, self.exact, self.on_told = device, fuse, exact, on_told
+        self.objective, direction = st.parse_objective(objective)
+        base = self.space.base
+        self._check_objective(base)
+        self.stem = self.space.path.stem if self.space.path is not None else "solver"
+        self.sampler_name = sampler if isinstance(sampler, str) else None
+        smp = st.sampler(sampler, seed, self.space) if isinstance(sampler, str) else sampler
+        prn = (st.pruner(pruner, base.test_interval, base.max_iter) if isinstance(pruner, str)
+               else pruner)
+        os.makedirs(self.out, exist_ok=True)
+        self.study = st.load(storage, study or self.stem, self.out, direction, heartbeat,
+                             sampler=smp, pruner=prn)
+        self.study.set_user_attr("objective", f"{self.objective}:{direction[:3]}")
+        self._beating: dict[int, int] = {}        # trial number -> trial id, for heartbeats
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.told = 0
+
+    def _check_objective(self, base) -> None:
+        import torch
+
+        from ..solvers.nets import make_test_nets
+
+        if not len(base.test_iter) or base.test_interval <= 0:
+            raise SearchError(f"--objective {self.objective}: a TEST output; the solver needs "
+                              "test_iter and test_interval > 0")
+        with log_prefix("[check] "):
+            nets = make_test_nets(base, self.space.path, torch.device("cpu"))
+        if self.objective not in nets[0].outputs:
+            raise SearchError(f"--objective {self.objective}: not an output of the TEST net; its "
+                              f"outputs: {', '.join(nets[0].outputs) or 'none'}")
+
+    # -- asking -------------------------------------------------------------------------------
+    def _ask(self):
+        """The next trial as a Member, or None when the study has its ``trials``."""
+        from optuna.trial import TrialState
+
+        st.fail_dead(self.study)
+        trials = self.study.get_trials(deepcopy=False)
+        waiting = any(t.state == TrialState.WAITING for t in trials)
+        if not waiting and len(st.counted(trials)) >= self.trials:
+            return None
+        trial = self.study.ask()
+        retried = self.study._storage.get_trial(trial._trial_id).system_attrs.get("failed_trial")
+        retry = retried is not None
+        if not retry:     # numbers are handed out in order: those below ours were asked first
+            mine = [t for t in st.counted(self.study.get_trials(deepcopy=False))
+                    if t.number <= trial.number and "failed_trial" not in t.system_attrs]
+            if len(mine) > self.trials:
+                trial.set_user_attr("over_budget", True)
+                self.study.tell(trial, state=TrialState.FAIL)
+                return None
+        if self.seed is not None and self.sampler_name is not None:
+            self.study.sampler = st.sampler(self.sampler_name, self.seed * 100003 + trial.number,
+                                            self.space)
+        values = self.space.suggest(trial)
+        trial.set_user_attr("worker", st.worker_id())
+        folder = os.path.join(self.out, "trials", str(trial.number))
+        trial.set_user_attr("folder", folder)
+        p = self.space.apply(values)
+        if not p.HasField("random_seed") or p.random_seed < 0:
+            p.random_seed = self.seed if self.seed is not None else NET_SEED
+        p.snapshot, p.snapshot_after_train = 0, True
+        write_prototxts(p, folder)
+        p.snapshot_prefix = os.path.join(folder, self.stem)
+        with self._lock:
+            self._beating[trial.number] = trial._trial_id
+        log.info("Trial %d%s: %s", trial.number, f" (retry of {retried})"
+                 if retry else "", ", ".join(f"{k}={v}" for k, v in values.items()))
+        return Member(trial, p, folder)
+
+    def _start(self, members) -> list[Group]:
+        """Members as a group; those whose nets cannot be built fail alone (said why)."""
+        for m in members:
+            m.handler = self._log_file(m)
+        try:
+            g = Group(members, self.device, self.fuse, self.exact)
+            log.info("Trials %s: a %s group of %d", g.numbers(), g.engine, len(members))
+            return [g]
+        except SearchError:
+            raise
+        except USER_ERRORS as e:
+            if len(members) > 1:
+                return [g for m in members for g in self._start([m])]
+            self._tell(members[0], "FAIL", error=str(e))
+            return []
+
+    def _log_file(self, m: Member):
+        os.makedirs(m.folder, exist_ok=True)
+        h = logging.FileHandler(os.path.join(m.folder, "train.log"), mode="w")
+        h.setFormatter(_TrialLog(m.prefix))
+        h.addFilter(lambda r, p=m.prefix: r.getMessage().startswith(p))
+        log.addHandler(h)
+        return h
+
+    # -- telling ------------------------------------------------------------------------------
+    def _tell(self, m: Member, state: str, value=None, error: str = "") -> None:
+        from optuna.trial import TrialState
+
+        t = m.trial
+        t.set_user_attr("wall_s", round(time.perf_counter() - m.t0, 3))
+        solver = getattr(m, "solver", None)
+        t.set_user_attr("iters", solver.iter if solver is not None else 0)
+        if m.last is not None:
+            t.set_user_attr("last", m.last)
+        if error:
+            t.set_user_attr("error", error)
+            log.warning("%sfailed: %s", m.prefix, error)
+        self.study.tell(t, value if state == "COMPLETE" else None, state=TrialState[state])
+        with self._lock:
+            self._beating.pop(t.number, None)
+        if m.handler is not None:
+            log.removeHandler(m.handler)
+            m.handler.close()
+        self.told += 1
+        if self.on_told is not None:
+            self.on_told(t)
+
+    def _events(self, g: Group) -> None:
+        """Report each new test of a member; prune or complete its trial."""
+        for i, why in g.failed:
+            g.members[i].solver = g.solvers[i]
+            self._tell(g.members[i], "FAIL", error=why)
+        g.failed = []
+        for i in g.live():
+            m, s = g.members[i], g.solvers[i]
+            m.solver = s
+            scores = s.test_scores[0] if s.test_scores else None
+            at = s.iter - s.iter % s.param.test_interval       # the test ran at this iteration
+            if scores and scores is not m.seen and at > 0:
+                m.seen = scores
+                m.last = float(scores[self.objective])
+                m.trial.report(m.last, at)
+                if m.trial.should_prune() and not g.done(i):
+                    with log_prefix(m.prefix):
+                        log.info("Pruned after the test at iteration %d (%s = %g)", at, self.objective,
+                                 m.last)
+                    g.drop(i)
+                    self._tell(m, "PRUNED")
+                    continue
+            if g.done(i):
+                g.out.add(i)
+                if m.last is None:
+                    self._tell(m, "FAIL", error="no test ran after iteration 0 (test_interval "
+                               "past max_iter?)")
+                else:
+                    self._tell(m, "COMPLETE", m.last)
+
+    def _heartbeat(self) -> None:
+        storage = self.study._storage
+        interval = storage.get_heartbeat_interval() if hasattr(storage, "get_heartbeat_interval") else None
+        if not interval:
+            return
+        while not self._stop.wait(interval):
+            with self._lock:
+                ids = list(self._beating.values())
+            for tid in ids:
+                storage.record_heartbeat(tid)
+
+    def run(self):
+        """Train trials until the study has its count; returns the Optuna study."""
+        groups: list[Group] = []
+        beat = threading.Thread(target=self._heartbeat, daemon=True, name="search-heartbeat")
+        beat.start()
+        asking = True
+        try:
+            while True:
+                free = self.k - sum(len(g.live()) for g in groups)
+                if asking and free > 0:
+                    new = []
+                    while len(new) < free:
+                        m = self._ask()
+                        if m is None:
+                            asking = False
+                            break
+                        new.append(m)
+                    if new:
+                        groups += self._start(new)
+                if not groups:
+                    if not asking:
+                        break
+                    continue
+                for g in groups:
+                    g.step()
+                    self._events(g)
+                groups = [g for g in groups if g.live() and not g.over]
+        except BaseException:
+            for g in groups:          # this worker's trials end with it (a kill -9 cannot)
+                for i in g.live():
+                    self._tell(g.members[i], "FAIL", error="the search stopped")
+            raise
+        finally:
+            self._stop.set()
+        return self.study

@@ -1,0 +1,257 @@
+"""The Optuna side of ``brewnet search``: the study (storage, sampler, pruner), the stale trials
+of dead workers, and what a user reads afterwards (the table, the best trial's files, plots).
+
+Storage: a URL (``sqlite:///f.db``, ``postgresql://user@host/db``, ``mysql://...``: Optuna's
+RDBStorage, with heartbeats) or a journal file (``journal:PATH`` or a path ending ``.journal``;
+the default is ``OUT/study.journal``, which workers on one machine share through its file lock).
+A trial whose worker died is failed and retried once (Optuna's ``RetryFailedTrialCallback``):
+on an RDB storage when its heartbeat stops (``grace`` seconds after), on any storage at once
+when its worker ran on this host and its process is gone.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import socket
+import warnings
+
+from .space import SearchError
+
+log = logging.getLogger("brewnet")
+SAMPLERS = ("tpe", "random", "cmaes", "grid")
+PRUNERS = ("median", "hyperband", "sha", "none")
+INSTALL = 'pip install "brewnet[search]"'
+
+
+def optuna():
+    """Optuna, or a SearchError saying how to install it."""
+    try:
+        import optuna as o
+    except ImportError:
+        raise SearchError(f"brewnet search needs Optuna: {INSTALL}") from None
+    o.logging.set_verbosity(o.logging.WARNING)
+    return o
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def parse_objective(spec: str) -> tuple[str, str]:
+    """``"accuracy:max"`` -> ("accuracy", "maximize"); no direction: minimise a loss, else maximise."""
+    name, _, way = spec.partition(":")
+    name, way = name.strip(), way.strip().lower()
+    if not name:
+        raise SearchError(f"--objective '{spec}': expected NAME[:max|min] (a TEST output, e.g. accuracy:max)")
+    if way and way not in ("max", "min"):
+        raise SearchError(f"--objective '{spec}': the direction is max or min, got '{way}'")
+    if not way:
+        way = "min" if "loss" in name else "max"
+    return name, "maximize" if way == "max" else "minimize"
+
+
+def storage(url: str | None, out: str, heartbeat: int = 60):
+    """Optuna storage for ``url`` (None: the journal file under ``out``)."""
+    o = optuna()
+    from optuna.storages import RetryFailedTrialCallback
+
+    if url is None or url.startswith("journal:") or url.endswith(".journal"):
+        from optuna.storages.journal import JournalFileBackend
+
+        path = os.path.join(out, "study.journal") if url is None else url.removeprefix("journal:")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return o.storages.JournalStorage(JournalFileBackend(path))
+    if not url.split(":", 1)[0].split("+")[0] in ("sqlite", "postgresql", "mysql"):
+        raise SearchError(f"--storage '{url}': expected sqlite:///FILE, postgresql://..., "
+                          "mysql://... or a .journal file")
+    try:
+        return o.storages.RDBStorage(url, heartbeat_interval=heartbeat, grace_period=3 * heartbeat,
+                                     heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=1))
+    except ImportError as e:
+        raise SearchError(f"--storage {url.split(':')[0]}: a database driver is missing ({e}); "
+                          f"{INSTALL} installs PostgreSQL's") from None
+    except Exception as e:       # sqlalchemy's OperationalError...: one line, the server's words
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SearchError(f"--storage {url}: cannot open the study database: {first}") from None
+
+
+def sampler(name: str, seed, space):
+    o = optuna()
+    if name == "tpe":
+        return o.samplers.TPESampler(seed=seed)
+    if name == "random":
+        return o.samplers.RandomSampler(seed=seed)
+    if name == "cmaes":
+        try:
+            import cmaes  # noqa: F401
+        except ImportError:
+            raise SearchError("--sampler cmaes needs the cmaes package: pip install cmaes") from None
+        return o.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False)
+    if name == "grid":
+        return o.samplers.GridSampler({d.key: d.grid(space.where) for d in space.searched()}, seed=seed)
+    raise SearchError(f"--sampler {name}: unknown; known: {', '.join(SAMPLERS)}")
+
+
+def pruner(name: str, min_iters: int, max_iters: int):
+    o = optuna()
+    if name == "median":
+        return o.pruners.MedianPruner()
+    if name == "hyperband":
+        return o.pruners.HyperbandPruner(min_resource=min_iters, max_resource=max_iters)
+    if name == "sha":
+        return o.pruners.SuccessiveHalvingPruner(min_resource=min_iters)
+    if name == "none":
+        return o.pruners.NopPruner()
+    raise SearchError(f"--pruner {name}: unknown; known: {', '.join(PRUNERS)}")
+
+
+def load(url, name, out=None, direction=None, heartbeat: int = 60, **kw):
+    """The study ``name`` in ``url``: created (``direction`` given) or loaded."""
+    o = optuna()
+    st = storage(url, out or ".", heartbeat)
+    if direction is None:
+        try:
+            return o.load_study(study_name=name, storage=st)
+        except KeyError:
+            names = [s.study_name for s in o.get_all_study_summaries(st)]
+            raise SearchError(f"--study {name}: no such study in {url or out}; it has "
+                              f"{', '.join(names) or 'none'}") from None
+    study = o.create_study(storage=st, study_name=name, direction=direction, load_if_exists=True, **kw)
+    if study.direction.name.lower() != direction:
+        raise SearchError(f"--study {name}: it {study.direction.name.lower()}s its objective; "
+                          f"this search would {direction.removesuffix('e')}e it")
+    return study
+
+
+def fail_dead(study) -> None:
+    """Fail (and retry once) the running trials whose worker is gone: stale heartbeats, or a
+    worker on this host whose process no longer exists."""
+    o = optuna()
+    from optuna.storages import RetryFailedTrialCallback
+    from optuna.trial import TrialState
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", o.exceptions.ExperimentalWarning)
+        o.storages.fail_stale_trials(study)
+    host = socket.gethostname()
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        who, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
+        if who != host or not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            won = study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+        except o.exceptions.UpdateFinishedTrialError:
+            won = False
+        if won:
+            log.info("Trial %d: its worker (process %s) is gone; failed, retried once", t.number, pid)
+            RetryFailedTrialCallback(max_retry=1)(study, study._storage.get_trial(t._trial_id))
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:                                 # a zombie (killed, not yet reaped) is gone too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def counted(trials) -> list:
+    """The trials that stand for a point of the search: not a dead worker's failed attempt that
+    was retried, nor one asked over the --trials budget."""
+    retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
+    return [t for t in trials if t.number not in retried and not t.user_attrs.get("over_budget")]
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return "-" if math.isnan(v) else f"{v:.4g}"
+    return "-" if v is None else str(v)
+
+
+def table(study) -> str:
+    """One line per trial: its params, objective, iterations run, state, wall time."""
+    trials = counted(study.get_trials(deepcopy=False))
+    keys = sorted({k for t in trials for k in t.params})
+    obj = study.user_attrs.get("objective", "objective")
+    best = _best(study)
+    head = ["trial", *keys, obj, "iters", "state", "wall s"]
+    rows = []
+    for t in trials:
+        value = t.value if t.value is not None else t.user_attrs.get("last")
+        rows.append([f"{t.number}{'*' if best is not None and t.number == best.number else ''}",
+                     *[_fmt(t.params.get(k)) for k in keys], _fmt(value), _fmt(t.user_attrs.get("iters")),
+                     t.state.name.lower(), _fmt(t.user_attrs.get("wall_s"))])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    text = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    if best is not None:
+        text.append(f"best: trial {best.number}, {obj} = {best.value:.6g}")
+    return "\n".join(text)
+
+
+def _best(study):
+    try:
+        return study.best_trial
+    except ValueError:            # no trial completed yet
+        return None
+
+
+def copy_best(study, out: str) -> str | None:
+    """The best trial's prototxts and last snapshot into ``out/best/``; its folder or None."""
+    best = _best(study)
+    folder = best.user_attrs.get("folder") if best is not None else None
+    if not folder or not os.path.isdir(folder):
+        if best is not None:
+            log.info("Best trial %d ran on %s; its files are there (%s)", best.number,
+                     best.user_attrs.get("worker", "?"), folder)
+        return None
+    dest = os.path.join(out, "best")
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
+    names = sorted(os.listdir(folder))
+    it = best.user_attrs.get("iters")
+    for n in names:
+        if n.endswith(".prototxt") or (f"_iter_{it}." in n and not n.endswith(".tmp")):
+            shutil.copy2(os.path.join(folder, n), dest)
+    return dest
+
+
+def plots(study, out: str) -> list[str]:
+    """Optuna's plots as PNGs in ``out``: optimisation history, parallel coordinates, parameter
+    importances, intermediate values (a plot the trials cannot make yet is skipped, said why)."""
+    import warnings
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    optuna()
+    from optuna.visualization import matplotlib as vis
+
+    made = []
+    for name in ("optimization_history", "parallel_coordinate", "param_importances",
+                 "intermediate_values"):
+        path = os.path.join(out, f"{name}.png")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ax = getattr(vis, f"plot_{name}")(study)
+            fig = (ax.flat[0] if hasattr(ax, "flat") else ax).figure
+            fig.set_size_inches(9, 6)
+            fig.tight_layout()
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            made.append(path)
+        except (ValueError, RuntimeError, ZeroDivisionError) as e:
+            log.info("Plot %s skipped: %s", name, str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return made
