@@ -85,13 +85,15 @@ def swish(x, beta: float = 1.0):
     return x * torch.sigmoid(x * beta if beta != 1 else x)
 
 
-def dropout(x, ratio: float, train: bool):
-    """Inverted dropout: keep with probability 1 - ratio and scale by 1 / (1 - ratio)."""
-    if not train:
-        return x
+def dropout(x, ratio: float, train: bool, scale_train: bool = True):
+    """Inverted dropout: keep with probability 1 - ratio and scale by 1 / (1 - ratio).
+    ``scale_train=False`` (caffe-fast-rcnn's field): TRAIN keeps values unscaled, TEST
+    multiplies by 1 - ratio (Caffe's 1 / scale in float32)."""
     scale = f32(1.0 / f32(1.0 - ratio))
+    if not train:
+        return x if scale_train else x * f32(1.0 / scale)
     keep = torch.empty_like(x).bernoulli_(1.0 - ratio)
-    return x * (keep * scale)
+    return x * (keep * scale) if scale_train else x * keep
 
 
 # -- layers -----------------------------------------------------------------------------------
@@ -263,7 +265,8 @@ class Swish(Neuron):
 @register("Dropout")
 class Dropout(Neuron):
     """TRAIN: x * Bernoulli(1 - ratio) mask / (1 - ratio); TEST: identity. Shapes: any -> same.
-    Params: dropout_param.dropout_ratio in (0, 1). The phase is the layer's (net's) phase."""
+    Params: dropout_param.dropout_ratio in (0, 1), scale_train (the fork field: false moves the
+    scaling to TEST, x * (1 - ratio)). The phase is the layer's (net's) phase."""
 
     def setup(self, bottom_shapes):
         r = self.param.dropout_param.dropout_ratio
@@ -272,4 +275,5 @@ class Dropout(Neuron):
 
     def forward(self, bottoms):
         ratio = f32(self.param.dropout_param.dropout_ratio)
-        return [dropout(bottoms[0], ratio, self.phase == pb.TRAIN)]
+        return [dropout(bottoms[0], ratio, self.phase == pb.TRAIN,
+                        self.param.dropout_param.scale_train)]

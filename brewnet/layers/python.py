@@ -10,12 +10,21 @@ propagate_down, bottom)`` for gradients, on pycaffe Blobs (numpy ``data``/``diff
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 
 from ..blob import Blob, ParamBlob
 from .base import Layer as _Layer
-from .registry import register
+from .rcnn import proposal_param_from_python
+from .registry import layer_class, register
+
+log = logging.getLogger("brewnet")
+# Python layers of well-known fork nets that brewnet has built in: (module, class) -> a function
+# of (LayerParameter, phase) giving the built-in layer's LayerParameter. Used when the module is
+# not importable (a user's own module of that name always wins).
+BUILT_IN = {("rpn.proposal_layer", "ProposalLayer"): proposal_param_from_python}
+_said: set[tuple[str, str]] = set()
 
 
 class BlobVec(list):
@@ -62,9 +71,12 @@ class _Run(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, n_tops, *bottoms):
         bottom = _blobs(bottoms)
-        top = [Blob(torch.zeros(0)) for _ in range(n_tops)]
+        # The tops keep the shapes the class gave them (in setup, reshape or an earlier
+        # forward), as Caffe's top blobs do; fresh copies so a pending backward keeps its own.
+        top = [Blob(t.tensor.detach().clone()) for t in layer.tops]
         layer.user.reshape(bottom, top)
         layer.user.forward(bottom, top)
+        layer.tops = top
         ctx.layer, ctx.bottom, ctx.top = layer, bottom, top
         ctx.like = [(b.dtype, b.device) for b in bottoms]
         return tuple(t.tensor.detach().clone().to(bottoms[0].device if bottoms else "cpu") for t in top)
@@ -86,10 +98,13 @@ class _Run(torch.autograd.Function):
 class PythonLayer(_Layer):
     """A layer whose math is a user's pycaffe class (``python_param``: module, layer, param_str).
 
-    Bottoms/tops: whatever the class says. Blobs: those it adds with ``self.blobs.add_blob``.
-    Differs from Caffe: bottoms are handed over as copies (CPU, float32), so a class that writes
-    into its bottoms does not change the net's blobs; exceptions from the class propagate as
-    they are (Caffe's pycaffe does the same).
+    Bottoms/tops: whatever the class says; top shapes set in its setup, reshape or forward stand
+    until it changes them. Blobs: those it adds with ``self.blobs.add_blob``. A class brewnet
+    has built in (``BUILT_IN``: py-faster-rcnn's ``rpn.proposal_layer``) runs on the built-in
+    layer when its module is not importable, saying so once. Differs from Caffe: bottoms are
+    handed over as copies (CPU, float32), so a class that writes into its bottoms does not
+    change the net's blobs; exceptions from the class propagate as they are (Caffe's pycaffe
+    does the same).
     """
 
     wrap_errors = False
@@ -98,20 +113,46 @@ class PythonLayer(_Layer):
         p = self.param.python_param
         if not p.module or not p.layer:
             raise self.fail("python_param needs both module and layer")
+        self.builtin = None
         try:
             cls = getattr(importlib.import_module(p.module), p.layer)
         except (ImportError, AttributeError) as e:
-            raise self.fail(f"cannot load Python layer {p.module}.{p.layer}: {e}") from e
+            make = BUILT_IN.get((p.module, p.layer))
+            if make is None or (isinstance(e, ImportError) and e.name not in p.module):
+                raise self.fail(f"cannot load Python layer {p.module}.{p.layer}: {e}") from e
+            self._use_builtin(make, e, bottom_shapes)
+            return
         self.user = cls(self.param)
         self.user.blobs = BlobVec(self)
         self.user.param_str, self.user.phase = p.param_str, self.phase
         bottom = [Blob(torch.zeros(tuple(s))) for s in bottom_shapes]
-        self.user.setup(bottom, [Blob(torch.zeros(0)) for _ in self.param.top])
+        self.tops = [Blob(torch.zeros(0)) for _ in self.param.top]
+        self.user.setup(bottom, self.tops)
+
+    def _use_builtin(self, make, why, bottom_shapes):
+        p = self.param.python_param
+        try:
+            lp = make(self.param, self.phase)
+        except ValueError as e:
+            raise self.fail(str(e)) from None
+        if (p.module, p.layer) not in _said:
+            _said.add((p.module, p.layer))
+            log.warning("Python layer %s.%s is not importable (%s); layer '%s' and any other "
+                        "naming it run on brewnet's built-in %s", p.module, p.layer, why,
+                        self.name, lp.type)
+        self.builtin = layer_class(lp.type, self.name)(lp, self.phase)
+        self.builtin.setup(bottom_shapes)
+
+    def allow_backward(self, i):
+        return self.builtin.allow_backward(i) if self.builtin is not None else True
 
     def reshape(self, bottom_shapes):
-        top = [Blob(torch.zeros(0)) for _ in self.param.top]
-        self.user.reshape([Blob(torch.zeros(tuple(s))) for s in bottom_shapes], top)
-        return [t.shape for t in top]
+        if self.builtin is not None:
+            return self.builtin.reshape(bottom_shapes)
+        self.user.reshape([Blob(torch.zeros(tuple(s))) for s in bottom_shapes], self.tops)
+        return [t.shape for t in self.tops]
 
     def forward(self, bottoms):
+        if self.builtin is not None:
+            return self.builtin.forward(bottoms)
         return list(_Run.apply(self, len(self.param.top), *bottoms))
