@@ -68,14 +68,16 @@ def from_net(net, blob: str, iterations: int):
                 yield undo_transform(x, tp), heatmap(f, x.shape[1:])
 
 
-def save_pictures(pairs, out: Path, blob: str) -> list[Path]:
-    """One PNG per image (input, heatmap, overlay) and a contact sheet of the overlays."""
+def save_pictures(pairs, out: Path, blob: str, name: str = "heatmap_{:04d}.png",
+                  sheet: bool = True) -> list[Path]:
+    """One picture per image (input, heatmap, overlay), named ``name.format(index)`` (its
+    extension picks the format: owl wrote ``{}.jpg``), and a contact sheet of the overlays."""
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
     out.mkdir(parents=True, exist_ok=True)
-    written, sheet = [], []
+    written, shown = [], []
     for k, (img, hm) in enumerate(pairs):
         fig = Figure(figsize=(9, 3.2))
         axes = fig.subplots(1, 3)
@@ -89,15 +91,16 @@ def save_pictures(pairs, out: Path, blob: str) -> list[Path]:
         axes[2].set_title("overlay")
         for a in axes:
             a.axis("off")
-        path = out / f"heatmap_{k:04d}.png"
+        path = out / name.format(k)
         fig.savefig(path, dpi=80, bbox_inches="tight")
         written.append(path)
-        sheet.append((img, hm))
-    if sheet:
-        cols = min(8, len(sheet))
-        rows = (len(sheet) + cols - 1) // cols
+        if sheet:
+            shown.append((img, hm))
+    if shown:
+        cols = min(8, len(shown))
+        rows = (len(shown) + cols - 1) // cols
         fig = Figure(figsize=(2 * cols, 2 * rows))
-        for k, (img, hm) in enumerate(sheet):
+        for k, (img, hm) in enumerate(shown):
             a = fig.add_subplot(rows, cols, k + 1)
             a.imshow(img, cmap="gray" if img.ndim == 2 else None)
             a.imshow(hm, cmap="jet", alpha=0.5)

@@ -51,8 +51,14 @@ def topk_hits(scores: np.ndarray, labels: np.ndarray, ks) -> dict[int, int]:
 
 
 def score_blob(net, output: str | None) -> tuple[str, bool]:
-    """(blob, softmax it?) for the scores: ``output``, else the last Softmax layer's top, else
+    """(blob, softmax it?) for the scores: ``output`` (a blob, or a Softmax or SoftmaxWithLoss
+    layer's name: its probabilities, as owl names them), else the last Softmax layer's top, else
     the scores bottom of the last SoftmaxWithLoss (softmaxed, as that layer does inside)."""
+    named = [(l.type, b, t) for l, b, t in zip(net.layer_list, net.bottom_lists, net.top_lists)
+             if output and l.name == output and l.type in ("Softmax", "SoftmaxWithLoss")]
+    if named:
+        kind, bottoms, tops = named[-1]
+        return (tops[0], False) if kind == "Softmax" else (bottoms[0], True)
     if output:
         if output not in net.blobs:
             raise ValueError(f"no blob '{output}' in net '{net.name}'; its blobs are: {', '.join(net.blobs)}")
@@ -151,7 +157,8 @@ def data_layer_scores(model, weights, views: int, iterations: int, output: str |
                       pad: int = 0, level: int = 0, stages=(), device=None):
     """Yield (scores averaged over the views (N, classes), labels or None) for ``iterations``
     batches of a net with a Data/ImageData layer; ``pad`` zero pixels (the transformed image's
-    zero: the mean) are added on each side before the views are cut."""
+    zero: the mean) are added on each side before the views are cut. ``model`` is a file or a
+    NetParameter; ``weights`` a weights file or a Net whose parameters the views' net shares."""
     import os
 
     from ..net import Net
@@ -159,14 +166,17 @@ def data_layer_scores(model, weights, views: int, iterations: int, output: str |
     from ..proto.io import read_net
     from ..weights import load_weights
 
-    param = read_net(os.fspath(model))
+    param = model if isinstance(model, pb.NetParameter) else read_net(os.fspath(model))
     param = filter_net(param, make_state(pb.TEST, level, stages, param.state))
     source_param, make_trunk = split_data_layer(param, views, pad)
     source = Net(source_param, pb.TEST)
     tops = source.top_lists[0]
     trunk_param, size = make_trunk([source.shapes[t] for t in tops])
     net = Net(trunk_param, pb.TEST, device=device)
-    load_weights(net, weights, require_match=True)
+    if isinstance(weights, (str, os.PathLike)):
+        load_weights(net, weights, require_match=True)
+    else:
+        net.share_with(weights)
     blob, softmax = score_blob(net, output)
     log.info("Testing %d view(s) of %dx%d%s per image", views, size[0], size[1],
              f" from images padded by {pad}" if pad else "")

@@ -1,0 +1,83 @@
+"""Minerva's ``owl``, the calls its net scripts make, on brewnet (a surface like ``pycaffe``).
+
+owl drove Caffe-format nets with a few tool classes (``owl.net.trainer``: ``NetTrainer``,
+``NetTester``, ``MultiviewTester``, ``FeatureExtractor``, ``FilterVisualizer``,
+``HeatmapVisualizer``) and its scripts (``scripts/learning/*.py``; here ``brewnet owl ...``).
+Through ``brewnet run`` (``owl`` -> ``brewnet.owl``) those scripts run unchanged. This module
+holds the device calls they make: ``initialize``, ``create_cpu_device``, ``create_gpu_device``,
+``set_device``, ``wait_for_all``, ``has_mpi`` (and ``has_cuda``, ``get_gpu_device_count``).
+
+A device is a ``torch.device``. Minerva ran on GPUs only for its nets; here
+``create_gpu_device(i)`` on a machine without CUDA device ``i`` warns once and gives the CPU,
+as pycaffe's ``set_mode_gpu`` does, so a script written for a GPU still runs. ``set_device``
+makes a device the one new nets are built on. Minerva evaluated lazily (``wait_for_all`` was its
+barrier); torch runs eagerly, so ``wait_for_all`` only waits for queued CUDA work.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("brewnet")
+_warned: set[int] = set()
+_current: list[torch.device] = [torch.device("cpu")]
+
+
+def initialize(argv=None) -> None:
+    """Minerva's engine start (``owl.initialize(sys.argv)``); brewnet needs none: a no-op kept
+    so scripts that call it run."""
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def get_gpu_device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def has_mpi() -> bool:
+    """Minerva's MPI build flag: brewnet's several-process training is torch.distributed's, not
+    Minerva's MPI; False."""
+    return False
+
+
+def create_cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def create_gpu_device(which: int) -> torch.device:
+    """CUDA device ``which``; the CPU (warned once per id) when this machine has no such device."""
+    which = int(which)
+    if 0 <= which < get_gpu_device_count():
+        return torch.device("cuda", which)
+    if which not in _warned:
+        _warned.add(which)
+        log.warning("owl.create_gpu_device(%d): no CUDA device %d here (%d visible); running on "
+                    "the CPU", which, which, get_gpu_device_count())
+    return torch.device("cpu")
+
+
+def set_device(dev) -> None:
+    """Build the nets that follow on ``dev`` (a device from ``create_*_device``)."""
+    from .. import runtime
+
+    dev = torch.device(dev)
+    _current[0] = dev
+    runtime.set_default_device(dev.type == "cuda", dev.index or 0)
+    runtime.configure(dev)
+
+
+def current_device() -> torch.device:
+    return _current[0]
+
+
+def wait_for_all() -> None:
+    """Minerva's barrier: here, wait for queued CUDA work (torch's CPU ops have finished)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+__all__ = ["initialize", "has_cuda", "has_mpi", "get_gpu_device_count", "create_cpu_device",
+           "create_gpu_device", "set_device", "current_device", "wait_for_all"]
