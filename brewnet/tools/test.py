@@ -20,6 +20,7 @@ import logging
 
 import numpy as np
 
+from ..analysis.detection_map import AP_VERSIONS, DetectionMAP
 from .common import (
     USER_ERRORS,
     CLIError,
@@ -55,23 +56,37 @@ def add_arguments(p) -> None:
     p.add_argument("--images", default="", metavar="LIST", help="'path label' lines for a deploy net")
     p.add_argument("--root-folder", default="", help="prefix of the --images paths (as ImageData's)")
     p.add_argument("--batch", type=int, default=0, help="--images per forward (default: the input's)")
+    p.add_argument("--ap-version", "-ap_version", default="Integral", choices=AP_VERSIONS,
+                   help="a detection net's AP (SSD's solver ap_version; default Integral)")
+    p.add_argument("--per-class", action="store_true", help="a detection net: also each class's AP")
     add_image_flags(p)
     add_gpu_flag(p)
     add_net_state_flags(p)
 
 
-def score(net, iterations: int) -> tuple[float, list[tuple[str, float, float]]]:
+def detection_outputs(net) -> list[str]:
+    """The net's outputs made by DetectionEvaluate layers (scored as mAP, not averaged)."""
+    made = {t for layer, tops in zip(net.layer_list, net.top_lists) if layer.type == "DetectionEvaluate"
+            for t in tops}
+    return [n for n in net.outputs if n in made]
+
+
+def score(net, iterations: int, maps: dict | None = None) -> tuple[float, list[tuple[str, float, float]]]:
     """Run ``iterations`` forwards; returns (mean loss, [(output name, loss weight, mean)]),
-    logging each batch's values. Sums are float32, as Caffe's."""
+    logging each batch's values. Sums are float32, as Caffe's. Outputs named in ``maps`` (a
+    DetectionMAP each) are accumulated there instead."""
     import torch
 
     loss, sums, names = f32(0), None, []
     weights = net.blob_loss_weights
+    maps = maps or {}
     with torch.no_grad():
         for i in range(iterations):
             loss += f32(net.forward_tensors().item())
             values = []
-            for name in net.outputs:
+            for name in maps:
+                maps[name].add(net.blobs[name].tensor.detach().float().cpu().numpy())
+            for name in (n for n in net.outputs if n not in maps):
                 flat = net.blobs[name].tensor.detach().reshape(-1).float().cpu().numpy()
                 for v in flat:
                     log.info("Batch %d, %s = %g", i, name, v)
@@ -160,11 +175,25 @@ def run(args) -> int:
         net = trained_net(args, COMMAND)
         size_threads(net)
         log.info("Running for %d iterations.", args.iterations)
-        loss, results = score(net, args.iterations)
+        maps = {name: DetectionMAP() for name in detection_outputs(net)}
+        loss, results = score(net, args.iterations, maps)
+        log.info("Loss: %g", loss)
+        for name, w, mean in results:
+            extra = f" (* {w:g} = {f32(w) * f32(mean):g} loss)" if w else ""
+            log.info("%s = %g%s", name, mean, extra)
+        for name, m in maps.items():
+            report_map(name, m, args.ap_version, args.per_class)
     except USER_ERRORS as e:
         return report(COMMAND, e)
-    log.info("Loss: %g", loss)
-    for name, w, mean in results:
-        extra = f" (* {w:g} = {f32(w) * f32(mean):g} loss)" if w else ""
-        log.info("%s = %g%s", name, mean, extra)
     return 0
+
+
+def report_map(name: str, m: DetectionMAP, version: str, per_class: bool) -> None:
+    """SSD's solver lines: per class AP (``per_class``), then the output's mAP."""
+    for label, ap in m.aps(version).items():
+        if ap is None:
+            log.warning("Missing true_pos for label: %d", label)
+        elif per_class:
+            log.info("class%d: %g", label, ap)
+    log.info("%s = %g (mAP, %s, %d ground-truth boxes)", name, m.mean_ap(version), version,
+             sum(m.num_pos.values()))

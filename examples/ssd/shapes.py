@@ -1,0 +1,175 @@
+"""Train MobileNet-SSD's own train.prototxt on boxes you made: a worked example.
+
+    python examples/ssd/shapes.py --out /tmp/ssd_shapes [--size 96] [--iters 600]
+
+1. draws a small detection dataset (circles, squares and triangles of random colours, sizes
+   and places on a noisy background; the boxes written to a CSV);
+2. builds AnnotatedDatum LMDBs with ``brewnet create-annoset`` (and the label map);
+3. writes copies of MobileNet-SSD's train.prototxt and test prototxt (from
+   ../shared/caffe-models/mobilenet-ssd/, see its SOURCES.txt) with num_classes 4 (background
+   + 3 shapes), the LMDB sources and, for ``--size`` other than 300, the input size (resize_param)
+   and the PriorBox sizes scaled to it; nothing else changes (all its augmentation stays);
+4. trains it from scratch with ``brewnet train`` and scores it with ``brewnet test``, which
+   reports the detection mAP (DetectionEvaluate accumulated as SSD's solver does).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+from google.protobuf import text_format
+
+from brewnet.proto.io import read_net
+
+HERE = Path(__file__).resolve().parent
+MODELS = HERE.parents[1] / ".." / "shared" / "caffe-models" / "mobilenet-ssd"
+SHAPES = ("circle", "square", "triangle")
+VOC_CLASSES = 21
+
+
+def draw(rng, side: int) -> tuple[np.ndarray, list[tuple]]:
+    """One image with 1-3 shapes that do not overlap much, and their boxes."""
+    img = rng.integers(20, 90, (side, side, 3), dtype=np.uint8)
+    img = cv2.GaussianBlur(img, (5, 5), 0)
+    boxes: list[tuple] = []
+    for _ in range(int(rng.integers(1, 4))):
+        for _try in range(20):
+            s = int(rng.integers(side // 5, side // 2))
+            x, y = int(rng.integers(0, side - s)), int(rng.integers(0, side - s))
+            if all(x + s <= bx or bx2 <= x or y + s <= by or by2 <= y for _, bx, by, bx2, by2 in boxes):
+                break
+        else:
+            continue
+        kind = SHAPES[int(rng.integers(len(SHAPES)))]
+        color = tuple(int(c) for c in rng.integers(120, 256, 3))
+        if kind == "circle":
+            cv2.circle(img, (x + s // 2, y + s // 2), s // 2, color, -1)
+        elif kind == "square":
+            cv2.rectangle(img, (x, y), (x + s - 1, y + s - 1), color, -1)
+        else:
+            pts = np.array([[x + s // 2, y], [x, y + s - 1], [x + s - 1, y + s - 1]], np.int32)
+            cv2.fillPoly(img, [pts], color)
+        boxes.append((kind, x, y, x + s, y + s))
+    return img, boxes
+
+
+def make_dataset(out: Path, split: str, n: int, side: int, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    (out / split).mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        img, boxes = draw(rng, side)
+        name = f"{split}/{i:05d}.png"
+        cv2.imwrite(str(out / name), img)
+        rows += [(name, *b) for b in boxes]
+    path = out / f"{split}.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["image", "label", "xmin", "ymin", "xmax", "ymax"])
+        w.writerows(rows)
+    return path
+
+
+def adapt(src: Path, dst: Path, classes: int, source: str, batch: int, size: int, label_map: str):
+    """A copy of a MobileNet-SSD prototxt for ``classes`` classes, ``source``, ``batch`` and a
+    ``size`` x ``size`` input (PriorBox min/max sizes scaled by size / 300)."""
+    net = read_net(str(src))
+    for layer in net.layer:
+        if layer.name.endswith("_mbox_conf"):
+            cp = layer.convolution_param
+            cp.num_output = cp.num_output // VOC_CLASSES * classes
+        for field in ("multibox_loss_param", "detection_output_param", "detection_evaluate_param"):
+            if layer.HasField(field):
+                getattr(layer, field).num_classes = classes
+        if layer.type == "Reshape" and layer.name == "mbox_conf_reshape":
+            dims = layer.reshape_param.shape.dim
+            dims[:] = [classes if d == VOC_CLASSES else d for d in dims]
+        if layer.type == "AnnotatedData":
+            layer.data_param.source, layer.data_param.batch_size = source, batch
+            layer.annotated_data_param.label_map_file = label_map
+            rp = layer.transform_param.resize_param
+            rp.height = rp.width = size
+        if layer.type == "PriorBox" and size != 300:
+            p = layer.prior_box_param
+            p.min_size[:] = [v * size / 300 for v in p.min_size]
+            p.max_size[:] = [v * size / 300 for v in p.max_size]
+        if layer.type == "DetectionOutput":
+            layer.detection_output_param.ClearField("save_output_param")
+        if layer.type == "DetectionEvaluate":
+            layer.detection_evaluate_param.ClearField("name_size_file")
+    dst.write_text(text_format.MessageToString(net))
+
+
+def brewnet(*args, log: Path | None = None) -> str:
+    cmd = [sys.executable, "-m", "brewnet", *map(str, args)]
+    print("$", " ".join(cmd[2:]), flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if log is not None:
+        log.write_text(p.stdout + p.stderr)
+    if p.returncode:
+        sys.exit(f"failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return p.stdout + p.stderr
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="working folder")
+    ap.add_argument("--size", type=int, default=96, help="network input side (MobileNet-SSD: 300)")
+    ap.add_argument("--image-side", type=int, default=128, help="side of the generated images")
+    ap.add_argument("--train", type=int, default=800, help="training images")
+    ap.add_argument("--test", type=int, default=100, help="test images")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=600)
+    ap.add_argument("--base-lr", type=float, default=0.001)
+    ap.add_argument("--ap-version", default="11point", choices=["11point", "MaxIntegral", "Integral"])
+    a = ap.parse_args(argv)
+    out = a.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    lm = out / "labelmap.prototxt"
+    for split, n, seed in (("train", a.train, 1), ("test", a.test, 2)):
+        if not (out / f"{split}_lmdb").exists():
+            csv_path = make_dataset(out, split, n, a.image_side, seed)
+            brewnet("create-annoset", csv_path, out / f"{split}_lmdb", "--label-map", lm,
+                    "--root-folder", f"{out}/")
+    classes = len(SHAPES) + 1
+    adapt(MODELS / "train.prototxt", out / "train.prototxt", classes, str(out / "train_lmdb"),
+          a.batch, a.size, str(lm))
+    adapt(MODELS / "voc" / "MobileNetSSD_test.prototxt", out / "test.prototxt", classes,
+          str(out / "test_lmdb"), 10, a.size, str(lm))
+    (out / "solver.prototxt").write_text(f"""train_net: "{out}/train.prototxt"
+base_lr: {a.base_lr}
+lr_policy: "multistep"
+stepvalue: {int(a.iters * 0.75)}
+gamma: 0.1
+type: "Adam"
+momentum: 0.9
+momentum2: 0.999
+weight_decay: 0.00005
+max_iter: {a.iters}
+display: 20
+average_loss: 20
+snapshot: {a.iters}
+snapshot_prefix: "{out}/ssd_shapes"
+random_seed: 1
+""")
+    t0 = time.time()
+    brewnet("train", "--solver", out / "solver.prototxt", log=out / "train.log")
+    train_s = time.time() - t0
+    weights = out / f"ssd_shapes_iter_{a.iters}.caffemodel"
+    t0 = time.time()
+    text = brewnet("test", "--model", out / "test.prototxt", "--weights", weights,
+                   "--iterations", a.test // 10, "--ap-version", a.ap_version, log=out / "test.log")
+    maps = [ln for ln in text.splitlines() if "detection_eval" in ln or "mAP" in ln]
+    print("\n".join(maps[-5:]))
+    print(f"train: {a.iters} iterations of batch {a.batch} at {a.size}x{a.size} in {train_s:.0f} s; "
+          f"test: {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
