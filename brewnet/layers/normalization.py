@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -304,3 +305,70 @@ class Normalize(Layer):
         if not self.channel_shared:
             scale = scale.view((1, -1) + (1,) * (x.dim() - 2))
         return [y * scale.to(x.dtype)]
+
+
+@register("BN")
+class BN(Layer):
+    """The BN layer of SegNet and of PSPNet (one type, two forks), with its own affine blobs.
+
+    Bottom (N, C, H, W) -> top of the same shape. Blobs, each (1, C, 1, 1) as the forks store them.
+    SegNet (bn_param has scale_filler, shift_filler or bn_mode): [scale, shift]. bn_mode LEARN
+    (any phase) normalizes with the batch's mean and E[x^2] - E[x]^2, eps 1e-9; INFERENCE is
+    scale * x + shift (statistics folded in by SegNet's compute_bn_statistics.py).
+    PSPNet (otherwise): [slope, bias, mean, variance]. TEST or ``frozen``: (x - mean) /
+    sqrt(variance + eps) * slope + bias with the stored statistics; TRAIN: the batch's mean and
+    biased variance, each stored blob updated to (1 - momentum) * batch + momentum * blob. The
+    statistics blobs never get gradients, nor do slope and bias when frozen.
+    """
+
+    exact_bottoms = 1
+    exact_tops = 1
+
+    def setup(self, bottom_shapes):
+        p = self.param.bn_param
+        self.segnet = any(p.HasField(f) for f in ("scale_filler", "shift_filler", "bn_mode"))
+        if len(bottom_shapes[0]) != 4:
+            raise self.fail(f"bottom must be (N, C, H, W), got {tuple(bottom_shapes[0])}")
+        shape = (1, bottom_shapes[0][1], 1, 1)
+        if self.segnet:
+            self.blobs = [self.new_blob(shape, p.scale_filler), self.new_blob(shape, p.shift_filler)]
+            return
+        self.blobs = [self.new_blob(shape, p.slope_filler), self.new_blob(shape, p.bias_filler),
+                      self.new_blob(shape).requires_grad_(False),
+                      self.new_blob(shape).requires_grad_(False)]
+        if p.frozen:
+            with torch.no_grad():
+                self.blobs[3].fill_(1)
+            for b in self.blobs[:2]:
+                b.requires_grad_(False)
+
+    def reshape(self, bottom_shapes):
+        x = tuple(bottom_shapes[0])
+        if len(x) != 4 or x[1] != self.blobs[0].shape[1]:
+            raise self.fail(f"bottom shape {x} does not have {self.blobs[0].shape[1]} channels")
+        return [x]
+
+    def forward(self, bottoms):
+        x = bottoms[0]
+        p = self.param.bn_param
+        if self.segnet:
+            scale, shift = self.blobs
+            if p.bn_mode == pb.BNParameter.INFERENCE:
+                return [x * scale + shift]
+            mean = x.mean((0, 2, 3), keepdim=True)
+            var = (x * x).mean((0, 2, 3), keepdim=True) - mean * mean
+            return [(x - mean) / torch.sqrt(var + 1e-9) * scale + shift]
+        slope, bias, mean_blob, var_blob = self.blobs
+        eps = float(np.float32(p.eps))
+        if p.frozen or self.phase == pb.TEST:
+            mean, var = mean_blob.detach(), var_blob.detach()
+        else:
+            mean = x.mean((0, 2, 3), keepdim=True)
+            var = ((x - mean) ** 2).mean((0, 2, 3), keepdim=True)
+            m = float(np.float32(p.momentum))
+            with torch.no_grad():
+                mean_blob.mul_(m).add_(mean.detach(), alpha=1 - m)
+                var_blob.mul_(m).add_(var.detach(), alpha=1 - m)
+        if p.frozen:
+            slope, bias = slope.detach(), bias.detach()
+        return [(x - mean) * torch.pow(var + eps, -0.5) * slope + bias]
