@@ -96,7 +96,7 @@ class ComputeUnit:
         return self.owl_net.core(last if last in phases else phases[0])
 
     def _blob(self, name: str) -> torch.Tensor:
-        return self._core().blobs[name].tensor
+        return self._core().blobs[name].tensor.detach()
 
     @property
     def out(self) -> NArray | None:
@@ -228,7 +228,7 @@ class Net:
 
     def get_units_by_name(self, name: str) -> list[ComputeUnit]:
         if name not in self.name_to_uid:
-            raise KeyError(f"no layer named '{name}' in the net; its layers are: "
+            raise ValueError(f"no layer named '{name}' in the net; its layers are: "
                            f"{', '.join(self.name_to_uid)}")
         return [self.units[u] for u in self.name_to_uid[name]]
 
