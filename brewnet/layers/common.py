@@ -173,6 +173,28 @@ class Eltwise(Layer):
         return [top]
 
 
+@register("Axpy")
+class Axpy(Layer):
+    """a * x + y with one scale per channel (SENet's Axpy: the excitation applied to a residual).
+
+    Bottoms: a (N, C) or (N, C, 1, 1), x (N, C, ...), y shaped as x. Top: x's shape. Gradients:
+    to all three (a's is sum over positions of x * top_diff).
+    """
+
+    exact_bottoms = 3
+    exact_tops = 1
+
+    def reshape(self, bottom_shapes):
+        a, x, y = (tuple(s) for s in bottom_shapes)
+        if a[:2] != x[:2] or (len(a) == 4 and a[2:] != (1, 1)) or x != y:
+            raise self.fail(f"needs a (N, C[, 1, 1]), x (N, C, ...) and y shaped as x; got {a}, {x}, {y}")
+        return [x]
+
+    def forward(self, bottoms):
+        a, x, y = bottoms
+        return [a.reshape(a.shape[:2] + (1,) * (x.dim() - 2)) * x + y]
+
+
 @register("Reduction")
 class Reduction(Layer):
     """Reduce all axes >= ``axis`` by SUM, ASUM (sum |x|), SUMSQ or MEAN, times ``coeff``.

@@ -262,6 +262,20 @@ class Swish(Neuron):
         return [swish(bottoms[0], f32(self.param.swish_param.beta))]
 
 
+@register("ReLU6")
+class ReLU6(Neuron):
+    """min(max(x, 0) + negative_slope * min(x, 0), 6) (MobileNet-YOLO's ReLU6). Shapes: any ->
+    same. Params: relu6_param.negative_slope (0). Gradient: (x > 0 ? 1 : slope) where x < 6,
+    0 from 6 on (so at 0 the slope, at 6 zero, as the fork)."""
+
+    def forward(self, bottoms):
+        x = bottoms[0]
+        slope = f32(self.param.relu6_param.negative_slope)
+        # torch.where picks the fork's branch at the kinks: x == 0 -> slope, x == 6 -> 0
+        y = relu(x, slope)
+        return [torch.where(x < 6, y, torch.full_like(y, 6.0).detach())]
+
+
 @register("Dropout")
 class Dropout(Neuron):
     """TRAIN: x * Bernoulli(1 - ratio) mask / (1 - ratio); TEST: identity. Shapes: any -> same.

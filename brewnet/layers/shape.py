@@ -339,3 +339,36 @@ class Permute(Layer):
 
     def forward(self, bottoms):
         return [bottoms[0].permute(self.order).contiguous()]
+
+
+@register("ShuffleChannel")
+class ShuffleChannel(Layer):
+    """ShuffleNet's channel shuffle: the channels seen as a (group, C / group) grid are read out
+    by column, so output channel j * group + i is input channel i * (C / group) + j.
+
+    Bottom (N, C, ...) -> top of the same shape. Params: shuffle_channel_param.group (> 0, divides
+    C). Gradient: the inverse shuffle.
+    """
+
+    exact_bottoms = 1
+    exact_tops = 1
+    in_place_ok = False
+    routing = True
+    arithmetic = "elementwise"
+
+    def setup(self, bottom_shapes):
+        self.group = self.param.shuffle_channel_param.group
+        if self.group <= 0:
+            raise self.fail(f"group must be > 0, got {self.group}")
+
+    def reshape(self, bottom_shapes):
+        shape = tuple(bottom_shapes[0])
+        if len(shape) < 2 or shape[1] % self.group:
+            raise self.fail(f"channels of {shape} must be a multiple of group {self.group}")
+        return [shape]
+
+    def forward(self, bottoms):
+        x = bottoms[0]
+        n, c = x.shape[:2]
+        g = x.reshape(n, self.group, c // self.group, -1).transpose(1, 2)
+        return [g.reshape(x.shape)]

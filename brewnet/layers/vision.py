@@ -142,6 +142,28 @@ class Convolution(_ConvolutionBase):
     """
 
 
+@register("DepthwiseConvolution")
+class DepthwiseConvolution(Convolution):
+    """yonghenglh6/DepthwiseConvolution's layer: a Convolution (its CPU path is Caffe's, with the
+    prototxt's ``group``, which MobileNet nets set to the channel count); same blobs and params."""
+
+
+@register("ConvolutionDepthwise")
+class ConvolutionDepthwise(Convolution):
+    """The MobileNet ports' ConvolutionDepthwise (conv_dw_layer): one kh x kw filter per input
+    channel, i.e. a Convolution with group = num_output = C whatever convolution_param says
+    (the fork ignores num_output and group). Blobs: weight (C, 1, kh, kw), bias (C)."""
+
+    def setup(self, bottom_shapes):
+        cp = self.param.convolution_param
+        c = int(bottom_shapes[0][canonical_axis(cp.axis, len(bottom_shapes[0]), self)])
+        param = type(self.param)()
+        param.CopyFrom(self.param)
+        param.convolution_param.num_output = param.convolution_param.group = c
+        self.param = param
+        super().setup(bottom_shapes)
+
+
 @register("Deconvolution")
 class Deconvolution(_ConvolutionBase):
     """Transposed convolution, the adjoint of Convolution (Caffe DeconvolutionLayer).

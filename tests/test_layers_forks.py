@@ -1,0 +1,188 @@
+"""The MobileNet/ShuffleNet/SENet/YOLO forks' layers against their own formulas (loops written
+from the forks' C++: mini-caffe's conv_dw_layer.cpp, farmingyard/ShuffleNet's
+shuffle_channel_layer.cpp, hujie-frank/SENet's axpy_layer.cpp, eric612/MobileNet-YOLO's
+relu6_layer.cpp and reorg_layer.hpp, Darknet's region layer) and OpenCV's dnn where it runs the
+type the same way (ReLU6, ShuffleChannel, Reorg, ConvolutionDepthwise on maps > 1 pixel)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import brewnet as caffe
+from tests.helpers import gradcheck_layer, make_layer
+
+F32 = np.float32
+
+
+def opencv_run(tmp_path, layers, shapes, outs, seed=0, scale=4.0):
+    """brewnet and OpenCV on one net (random params and inputs); returns (ours, theirs) dicts."""
+    cv2 = pytest.importorskip("cv2")
+    head = "".join(f'layer {{ name: "{k}" type: "Input" top: "{k}" input_param {{ shape {{ '
+                   + " ".join(f"dim: {d}" for d in s) + " } } }\n" for k, s in shapes.items())
+    text = 'name: "t"\n' + head + layers
+    rng = np.random.default_rng(seed)
+    net = caffe.Net(text, caffe.TEST)
+    for blobs in net.params.values():
+        for b in blobs:
+            b.data[...] = rng.standard_normal(b.data.shape)
+    inputs = {k: (rng.standard_normal(s) * scale).astype(F32) for k, s in shapes.items()}
+    net.forward(**inputs)
+    (tmp_path / "m.prototxt").write_text(text)
+    net.save(str(tmp_path / "m.caffemodel"))
+    cv = cv2.dnn.readNetFromCaffe(str(tmp_path / "m.prototxt"), str(tmp_path / "m.caffemodel"))
+    for k, v in inputs.items():
+        cv.setInput(v, k)
+    theirs = dict(zip(outs, cv.forward(outs)))
+    return {o: net.blobs[o].data.copy() for o in outs}, theirs, net, inputs
+
+
+# -- depthwise convolution -----------------------------------------------------------------
+def conv_dw_ref(x, w, b, stride, pad):
+    """mini-caffe's ConvolutionDepthwiseLayer::Forward_cpu: one filter per channel."""
+    n, c, h, wd = x.shape
+    k = w.shape[-1]
+    ho, wo = (h + 2 * pad - k) // stride + 1, (wd + 2 * pad - k) // stride + 1
+    out = np.zeros((n, c, ho, wo), np.float64)
+    for i in range(ho):
+        for j in range(wo):
+            for kh in range(k):
+                for kw in range(k):
+                    hi, wi = i * stride - pad + kh, j * stride - pad + kw
+                    if 0 <= hi < h and 0 <= wi < wd:
+                        out[:, :, i, j] += w[:, 0, kh, kw] * x[:, :, hi, wi]
+    return out + b.reshape(1, -1, 1, 1)
+
+
+@pytest.mark.parametrize("kind", ["ConvolutionDepthwise", "DepthwiseConvolution"])
+@pytest.mark.parametrize("hw", [(5, 6), (1, 1)])
+def test_depthwise_convolution_is_the_forks_per_channel_filter(kind, hw):
+    # ConvolutionDepthwise ignores num_output/group (one filter per channel whatever they say);
+    # DepthwiseConvolution is a Convolution with the prototxt's group.
+    param = "num_output: 4 group: 4" if kind == "DepthwiseConvolution" else "num_output: 7"
+    layer, tops = make_layer(f'type: "{kind}" top: "y" convolution_param {{ {param} kernel_size: 3 '
+                             'pad: 1 stride: 2 weight_filler { type: "gaussian" } '
+                             'bias_filler { type: "gaussian" } }', [(2, 4) + hw])
+    assert [tuple(b.shape) for b in layer.blobs] == [(4, 1, 3, 3), (4,)]
+    x = np.random.default_rng(1).standard_normal((2, 4) + hw).astype(F32)
+    (y,) = layer.forward([torch.from_numpy(x)])
+    w, b = (t.detach().numpy() for t in layer.blobs)
+    np.testing.assert_allclose(y.detach().numpy(), conv_dw_ref(x, w, b, 2, 1), rtol=1e-5, atol=1e-5)
+    if hw == (1, 1) and kind == "ConvolutionDepthwise":
+        # float64 convolutions take brewnet's thread-invariant path (~0.1 s each): inputs only
+        # here, the weight gradient is Convolution's (tests/test_layers_vision.py)
+        assert gradcheck_layer(layer, [torch.from_numpy(x).double()], check_params=False)
+
+
+def test_convolution_depthwise_matches_opencv(tmp_path):
+    # OpenCV runs ConvolutionDepthwise (not DepthwiseConvolution). On a 1x1 input its result
+    # differs from the fork's (the test above checks the fork's formula there); on 5x6 they agree.
+    ours, theirs, _, _ = opencv_run(tmp_path, 'layer { name: "r" type: "ConvolutionDepthwise" '
+                                    'bottom: "x" top: "r" convolution_param { num_output: 4 group: 4 '
+                                    'kernel_size: 3 pad: 1 } }\n', {"x": (2, 4, 5, 6)}, ["r"])
+    np.testing.assert_allclose(ours["r"], theirs["r"], rtol=0, atol=2e-5 * 4 * max(1, np.abs(theirs["r"]).max()))
+
+
+# -- ReLU6 ----------------------------------------------------------------------------------
+def test_relu6_formula_kinks_and_gradient():
+    layer, _ = make_layer('type: "ReLU6" top: "y" relu6_param { negative_slope: 0.1 }', [(6,)])
+    x = torch.tensor([-2.0, 0.0, 3.0, 6.0, 7.0, 5.999], requires_grad=True)
+    (y,) = layer.forward([x])
+    np.testing.assert_allclose(y.detach().numpy(), [-0.2, 0, 3, 6, 6, 5.999], rtol=1e-6)
+    y.sum().backward()
+    # the fork: (x > 0) + slope * (x <= 0), times (x < 6)
+    np.testing.assert_allclose(x.grad.numpy(), [np.float32(0.1), np.float32(0.1), 1, 0, 0, 1])
+    assert gradcheck_layer(layer, [torch.tensor([-2.0, 0.5, 3.0, 6.5, 7.0, 5.5], dtype=torch.float64)])
+
+
+# -- ShuffleChannel -------------------------------------------------------------------------
+def test_shuffle_channel_order_and_gradient():
+    layer, _ = make_layer('type: "ShuffleChannel" top: "y" shuffle_channel_param { group: 2 }', [(1, 6, 1, 1)])
+    x = torch.arange(6.0).reshape(1, 6, 1, 1)
+    (y,) = layer.forward([x])
+    # the fork: output channel j * group + i <- input channel i * (C / group) + j
+    assert y.reshape(-1).tolist() == [0, 3, 1, 4, 2, 5]
+    assert gradcheck_layer(layer, [torch.randn(2, 6, 2, 3, dtype=torch.float64)])
+    with pytest.raises(caffe.layers.LayerError, match="multiple of group"):
+        make_layer('type: "ShuffleChannel" top: "y" shuffle_channel_param { group: 4 }', [(1, 6, 1, 1)])
+
+
+# -- Axpy -----------------------------------------------------------------------------------
+def test_axpy_formula_and_gradient():
+    # SENet's Axpy: top = a * x + y, a per (n, c). (OpenCV's importer rejects these shapes, so
+    # the fork's formula is the reference.)
+    rng = np.random.default_rng(2)
+    a, x, y = rng.standard_normal((2, 3, 1, 1)), rng.standard_normal((2, 3, 4, 5)), rng.standard_normal((2, 3, 4, 5))
+    layer, tops = make_layer('type: "Axpy" top: "z"', [a.shape, x.shape, y.shape])
+    assert tops == [(2, 3, 4, 5)]
+    (z,) = layer.forward([torch.from_numpy(v) for v in (a, x, y)])
+    np.testing.assert_allclose(z.numpy(), a * x + y, rtol=1e-12)
+    assert gradcheck_layer(layer, [torch.from_numpy(v) for v in (a, x, y)])
+    layer, _ = make_layer('type: "Axpy" top: "z"', [(2, 3), x.shape, y.shape])   # a as (N, C)
+    with pytest.raises(caffe.layers.LayerError, match="needs a"):
+        make_layer('type: "Axpy" top: "z"', [(2, 3, 2, 2), x.shape, y.shape])
+
+
+# -- Reorg ----------------------------------------------------------------------------------
+def reorg_ref(x, s, reverse):
+    """MobileNet-YOLO's reorg_cpu(bottom, W, H, C, N, stride, forward = reverse, top)."""
+    n, c, h, w = x.shape
+    tc, tw, th = c // (s * s), w * s, h * s
+    src, out = x.reshape(-1), np.zeros(x.size, x.dtype)
+    for b in range(n):
+        for k in range(c):
+            for j in range(h):
+                for i in range(w):
+                    bi = i + w * (j + h * (k + c * b))
+                    c2, off = k % tc, k // tc
+                    ti = (i * s + off % s) + tw * ((j * s + off // s) + th * (c2 + tc * b))
+                    if reverse:
+                        out[ti] = src[bi]
+                    else:
+                        out[bi] = src[ti]
+    return out
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_reorg_is_the_forks_index_rule(reverse):
+    shape = (2, 8, 4, 6)
+    x = np.random.default_rng(3).standard_normal(shape).astype(F32)
+    layer, tops = make_layer(f'type: "Reorg" top: "y" reorg_param {{ stride: 2 reverse: {str(reverse).lower()} }}',
+                             [shape])
+    assert tops == [(2, 2, 8, 12)] if reverse else [(2, 32, 2, 3)]
+    (y,) = layer.forward([torch.from_numpy(x)])
+    np.testing.assert_array_equal(y.numpy().reshape(-1), reorg_ref(x, 2, reverse))
+    assert gradcheck_layer(layer, [torch.from_numpy(x).double()])
+
+
+# -- Region ---------------------------------------------------------------------------------
+def test_region_outputs_by_hand():
+    # 1 anchor (2 x 3 cells), 2 classes, on a 1x2 map; all logits 0 except those set below.
+    layer, tops = make_layer('type: "Region" top: "r" region_param { classes: 2 num: 1 anchors: 2 '
+                             'anchors: 3 thresh: 0.2 }', [(1, 7, 1, 2)])
+    assert tops == [(1, 2, 7)]
+    x = torch.zeros(1, 7, 1, 2)
+    x[0, 2, 0, 1] = np.log(2.0)      # tw: width doubled
+    x[0, 4, 0, 1] = 100.0            # objectness ~1
+    x[0, 5, 0, 1] = np.log(3.0)      # class 0 three times as likely as class 1
+    (r,) = layer.forward([x])
+    # cell 0: x = (0 + 0.5) / 2, y = 0.5, w = 2 / 2, h = 3, obj 0.5, classes 0.25 each (> 0.2)
+    np.testing.assert_allclose(r[0, 0].numpy(), [0.25, 0.5, 1.0, 3.0, 0.5, 0.25, 0.25], rtol=1e-6)
+    # cell 1: x = 1.5 / 2, w = 2 * 2 / 2; classes 0.75 and 0.25 (> 0.2, kept)
+    np.testing.assert_allclose(r[0, 1].numpy(), [0.75, 0.5, 2.0, 3.0, 1.0, 0.75, 0.25], rtol=1e-6)
+    layer, _ = make_layer('type: "Region" top: "r" region_param { classes: 2 num: 1 anchors: 2 '
+                          'anchors: 3 thresh: 0.3 }', [(1, 7, 1, 2)])
+    np.testing.assert_allclose(layer.forward([x])[0][0, :, 5:].numpy(), [[0, 0], [0.75, 0]], rtol=1e-6)
+    assert gradcheck_layer(layer, [torch.randn(1, 7, 2, 2, dtype=torch.float64)])
+
+
+# -- OpenCV ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("layers,shapes", [
+    ('layer { name: "r" type: "ReLU6" bottom: "x" top: "r" }\n', {"x": (2, 3, 4, 5)}),
+    ('layer { name: "r" type: "ShuffleChannel" bottom: "x" top: "r" shuffle_channel_param { group: 3 } }\n',
+     {"x": (2, 6, 4, 5)}),
+    ('layer { name: "r" type: "Reorg" bottom: "x" top: "r" reorg_param { stride: 2 } }\n', {"x": (2, 8, 4, 6)}),
+], ids=["ReLU6", "ShuffleChannel", "Reorg"])
+def test_routing_and_neuron_forks_match_opencv(layers, shapes, tmp_path):
+    ours, theirs, _, _ = opencv_run(tmp_path, layers, shapes, ["r"])
+    np.testing.assert_array_equal(ours["r"], theirs["r"])
