@@ -21,18 +21,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import SHARED, need
 
 from brewnet.cli import main
 from brewnet.owl.net import trainer as owl_tools
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import read_binary
+from helpers import SHARED, need
 
 REPO = Path(__file__).resolve().parents[1]
 T10K = SHARED / "caffe-models" / "trained" / "mnist_t10k" / "data" / "mnist"
 LENET = REPO / "examples" / "mnist" / "lenet_train_test.prototxt"
 RECORDS, TOL = 600, 2e-5
-SOLVER = """net: "{net}" test_iter: {test_iter} test_interval: 10 base_lr: 0.01 momentum: 0.9
+SOLVER = """net: "{net}" {test} base_lr: 0.01 momentum: 0.9
 weight_decay: 0.0005 lr_policy: "inv" gamma: 0.0001 power: 0.75 display: 10 max_iter: 30
 snapshot: 10 snapshot_prefix: "{prefix}" solver_mode: CPU random_seed: 1701
 """
@@ -59,8 +59,10 @@ def lenet(folder: Path, db: str, train_batch=16, test_batch=50, name="lenet") ->
 
 
 def solver(folder: Path, net: Path, prefix: str, test_iter=2, name="solver") -> str:
+    """LeNet's solver for 30 iterations, snapshots every 10, tests every 10 (none: test_iter 0)."""
     path = folder / f"{name}.prototxt"
-    path.write_text(SOLVER.format(net=net, prefix=folder / prefix, test_iter=test_iter))
+    test = f"test_iter: {test_iter} test_interval: 10" if test_iter else ""
+    path.write_text(SOLVER.format(net=net, prefix=folder / prefix, test=test))
     return str(path)
 
 
@@ -174,12 +176,13 @@ def test_feature_extractor_is_owls_matrix_of_brewnet_extract(trained, tmp_path, 
 
 @pytest.fixture(scope="module")
 def small_test(trained):
-    """The trained weights through a net whose TEST batch is 4 (one batch: few pictures)."""
+    """The trained weights through a net whose TEST batch is 2 (one batch: few pictures)."""
     d, _, _ = trained
     lenet(d, re.search(r'source: "([^"]+)"', (d / "lenet.prototxt").read_text()).group(1),
-          test_batch=4, name="small")
+          test_batch=2, name="small")
     path = d / "small_solver.prototxt"
-    path.write_text(SOLVER.format(net=d / "small.prototxt", prefix=d / "lenet", test_iter=1))
+    path.write_text(SOLVER.format(net=d / "small.prototxt", prefix=d / "lenet",
+                                  test="test_iter: 1 test_interval: 10"))
     return d, str(path)
 
 
@@ -188,10 +191,10 @@ def test_heatmap_visualizer_draws_brewnet_heatmaps(small_test, tmp_path, capsys)
 
     d, s = small_test
     assert main(["owl", "heatmap_visualizer", s, "conv2", str(tmp_path / "owl"), "3"]) == 0
-    assert sorted(p.name for p in (tmp_path / "owl").iterdir()) == ["0.jpg", "1.jpg", "2.jpg", "3.jpg"]
+    assert sorted(p.name for p in (tmp_path / "owl").iterdir()) == ["0.jpg", "1.jpg"]
     assert main(["heatmap", "--model", str(d / "small.prototxt"), "--weights", str(d / "lenet_iter_30.caffemodel"),
                  "--blob", "conv2", "--out", str(tmp_path / "core")]) == 0
-    for k in range(4):                  # owl's JPEG is the core's figure, JPEG-coded (Pillow's default)
+    for k in range(2):                  # owl's JPEG is the core's figure, JPEG-coded (Pillow's default)
         a = np.asarray(Image.open(tmp_path / "owl" / f"{k}.jpg").convert("RGB"), np.float64)
         coded = io.BytesIO()
         Image.open(tmp_path / "core" / f"heatmap_{k:04d}.png").convert("RGB").save(coded, "JPEG")
@@ -212,7 +215,7 @@ def test_filter_visualizer_mosaics_are_brewnet_filters_top_patches(small_test, t
     v.build_net()
     written = v.run()
     core = Net(str(d / "small.prototxt"), pb.TEST, weights=str(d / "lenet_iter_30.caffemodel"))
-    top = scan(core, layer, 4)
+    top = scan(core, layer, 2)
     assert [p.name for p in written] == [f"{c}.jpg" for c in range(len(top.heaps))]
     for c, path in enumerate(written):      # the core's top patches in a 3 x 3 JPEG
         coded = io.BytesIO()
@@ -231,11 +234,14 @@ def test_filter_visualizer_script_and_a_bad_layer(small_test, tmp_path, capsys):
 
 
 def test_two_cpu_workers_split_batch_equal_one_process(trained, tmp_path):
+    """NetTrainer(par, 0, 2) as each of the 2 workers its launcher starts (forked here, as
+    tests/test_parallel.py's, to spare two interpreter starts)."""
+    from test_parallel import workers
+
     d, _, _ = trained
-    par = solver(tmp_path, d / "lenet.prototxt", "par")         # batch 16: 8 per worker
-    t = owl_tools.NetTrainer(par, 0, 2)
-    t.build_net()
-    t.run()
+    par = solver(tmp_path, d / "lenet.prototxt", "par", test_iter=0)    # batch 16: 8 per worker
+    results = workers(2, ["owl", "net_trainer", par, "0", "2"], tmp_path / "logs")
+    assert [c for c, _ in results] == [0, 0], results
     got, ref = weights(tmp_path / "par_iter_30.caffemodel"), weights(d / "lenet_iter_30.caffemodel")
     assert max_diff(got, weights(d / "lenet_iter_10.caffemodel")) > 100 * TOL
     assert max_diff(got, ref) <= TOL
@@ -319,10 +325,10 @@ def _view(net, loss):
     return loss.ff_y.to_numpy()
 
 
-def test_an_owl_script_runs_unchanged_through_brewnet_run(trained, tmp_path):
+def test_an_owl_script_runs_unchanged_through_brewnet_run(small_test, tmp_path):
     if not (REPO / "brewnet" / "tools" / "run.py").exists():
         pytest.skip("brewnet run (brewnet/tools/run.py) is not in this checkout")
-    d, s, _ = trained
+    d, s = small_test
     script = tmp_path / "owl_test.py"
     script.write_text(
         "import sys\nimport owl\nimport owl.net as net\nfrom owl.net.trainer import NetTester\n"
