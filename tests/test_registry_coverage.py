@@ -29,6 +29,21 @@ NUMPY_REFERENCE = {
     "MultiBoxLoss": ["test_layers_detection.py::test_multibox_loss_by_hand"],  # numpy smooth-L1 + softmax NLL
     "DetectionEvaluate": ["test_layers_detection.py::test_detection_evaluate_by_hand"],
     "Python": ["test_pycaffe_extras.py::test_python_layers_chain_forward_backward"],  # Caffe's test_python_layer
+    # The forks' layers: loops written from each fork's own source, hand values, OpenCV.
+    "ROIPooling": ["test_layers_rcnn.py::test_roi_pooling_matches_the_fork_loop_and_sends_gradient_to_its_argmax"],
+    "PSROIPooling": ["test_layers_rcnn.py::test_psroi_pooling_matches_the_fork_loop_and_gradient"],
+    "SmoothL1Loss": ["test_layers_rcnn.py::test_smooth_l1_loss_hand_values_and_gradient"],
+    "Proposal": ["test_layers_rcnn.py::test_proposal_matches_opencv"],
+    "Interp": ["test_layers_seg.py::test_interp_matches_the_fork_loop"],
+    "Upsample": ["test_layers_seg.py::test_segnet_upsample_puts_each_max_back_where_it_was"],
+    "BN": ["test_layers_seg.py::test_pspnet_bn_test_and_train_against_numpy"],
+    "ShuffleChannel": ["test_layers_forks.py::test_shuffle_channel_order_and_gradient"],
+    "DepthwiseConvolution": ["test_layers_forks.py::test_depthwise_convolution_is_the_forks_per_channel_filter"],
+    "ConvolutionDepthwise": ["test_layers_forks.py::test_convolution_depthwise_matches_opencv"],
+    "ReLU6": ["test_layers_forks.py::test_relu6_formula_kinks_and_gradient"],
+    "Axpy": ["test_layers_forks.py::test_axpy_formula_and_gradient"],
+    "Reorg": ["test_layers_forks.py::test_reorg_is_the_forks_index_rule"],
+    "Region": ["test_layers_forks.py::test_region_outputs_by_hand"],
 }
 
 
