@@ -299,8 +299,9 @@ def test_ten_views_of_an_imagedata_net_equal_brewnet_test_views(tmp_path, capsys
     t.builder.save_net_to_file(t.owl_net, t.snapshot_dir, 0)
     top2 = t.run(True)
     capsys.readouterr()
-    assert main(["test", "--model", str(tmp_path / "net.prototxt"), "--weights", str(tmp_path / "crop_iter_0.caffemodel"),
-                 "--views", "10", "--top-k", "1,2", "--iterations", "3"]) == 0
+    assert main(["test", "--model", str(tmp_path / "net.prototxt"), "--weights",
+                 str(tmp_path / "crop_iter_0.caffemodel"), "--views", "10", "--top-k", "1,2",
+                 "--iterations", "3"]) == 0
     err = capsys.readouterr().err
     core = {k: float(v) for k, v in re.findall(r"\] top-(\d) = ([\d.]+)", err)}
     assert "Views: 10, images: 12" in err and top2 == pytest.approx(core["2"], abs=1e-6)

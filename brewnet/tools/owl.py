@@ -37,6 +37,27 @@ SCRIPTS = {
 }
 
 
+# script -> (its tool, how run() is called) from the tool classes' module and the arguments
+TOOLS = {
+    "net_trainer": lambda t, a: _with(t.NetTrainer(a.solver_file, a.snapshot, a.num_gpu, a.freq,
+                                                   a.batch_rule or "split", a.timeout or 300.0)),
+    "net_tester": lambda t, a: _with(t.NetTester(a.solver_file, a.softmax_layer_name, a.accuracy_layer_name,
+                                                 a.snapshot, a.gpu_idx), bool(a.multiview)),
+    "multiview_test": lambda t, a: _with(t.MultiviewTester(a.solver_file, a.softmax_layer_name, a.snapshot,
+                                                           a.gpu_idx)),
+    "feature_extractor": lambda t, a: _with(t.FeatureExtractor(a.solver_file, a.snapshot, a.gpu_idx),
+                                            a.layer_name, a.feature_path),
+    "heatmap_visualizer": lambda t, a: _with(t.HeatmapVisualizer(a.solver_file, a.snapshot, a.gpu_idx),
+                                             a.layer_name, a.result_path),
+    "filter_visualizer": lambda t, a: _with(t.FilterVisualizer(a.solver_file, a.snapshot, a.layer_name,
+                                                               a.result_path, a.gpu_idx)),
+}
+
+
+def _with(tool, *args):
+    return tool, lambda: tool.run(*args)
+
+
 def _flags(p) -> None:
     p.add_argument("--batch-rule", choices=("split", "full"), default=None,
                    help="net_trainer on several devices: split the prototxt's batch over them "
@@ -77,28 +98,9 @@ def run(args) -> int:
     try:
         if args.script == "net_trainer":
             print(" === Training using %d gpus, start from snapshot %d === " % (a.num_gpu, a.snapshot))
-            tool = t.NetTrainer(a.solver_file, a.snapshot, a.num_gpu, a.freq, a.batch_rule or "split",
-                                a.timeout or 300.0)
-            tool.build_net()
-            tool.run()
-            return 0
-        print(" === %s of snapshot %d, using gpu #%d === " % (args.script, a.snapshot, a.gpu_idx))
-        if args.script == "net_tester":
-            tool = t.NetTester(a.solver_file, a.softmax_layer_name, a.accuracy_layer_name,
-                               a.snapshot, a.gpu_idx)
-            call = lambda: tool.run(bool(a.multiview))
-        elif args.script == "multiview_test":
-            tool = t.MultiviewTester(a.solver_file, a.softmax_layer_name, a.snapshot, a.gpu_idx)
-            call = tool.run
-        elif args.script == "feature_extractor":
-            tool = t.FeatureExtractor(a.solver_file, a.snapshot, a.gpu_idx)
-            call = lambda: tool.run(a.layer_name, a.feature_path)
-        elif args.script == "heatmap_visualizer":
-            tool = t.HeatmapVisualizer(a.solver_file, a.snapshot, a.gpu_idx)
-            call = lambda: tool.run(a.layer_name, a.result_path)
         else:
-            tool = t.FilterVisualizer(a.solver_file, a.snapshot, a.layer_name, a.result_path, a.gpu_idx)
-            call = tool.run
+            print(" === %s of snapshot %d, using gpu #%d === " % (args.script, a.snapshot, a.gpu_idx))
+        tool, call = TOOLS[args.script](t, a)
         tool.build_net()
         call()
     except USER_ERRORS as e:
