@@ -247,7 +247,13 @@ class NetTrainer:
         self.num_gpu, self.sync_freq, self.batch_rule = int(num_gpu), int(sync_freq), batch_rule
         self.timeout = timeout
         self.world = World.from_env()
-        self.gpu = [owl.create_gpu_device(i) for i in range(self.num_gpu)]
+        if owl.get_gpu_device_count() >= self.num_gpu:
+            self.gpu = [owl.create_gpu_device(i) for i in range(self.num_gpu)]
+        else:                              # one kind of device for all the workers
+            if owl.has_cuda():
+                log.warning("NetTrainer: %d devices asked, %d GPUs here: training on the CPU",
+                            self.num_gpu, owl.get_gpu_device_count())
+            self.gpu = [owl.create_cpu_device()] * self.num_gpu
         self.replicas = self.watch = None
 
     def _spawns(self) -> bool:
