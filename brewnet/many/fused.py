@@ -178,8 +178,11 @@ class FusedSolvers:
         the net whose data layers feed them (default the first)."""
         params = [s.param for s in self.solvers]
         labels = [f"net {k} ({params[k].net or params[k].train_net or 'net_param'})" for k in self.order]
+        grads = [p.requires_grad for p in self.fused.params] if source is not None else None
         self.fused = FusedNet([self.solvers[k].net for k in self.order], labels, exact=self.exact,
                               source=source)
+        for p, g in zip(self.fused.params, grads or []):   # the nets' rows are views by now:
+            p.requires_grad_(g)                             # the flags come from the old stack
         self._stack_histories()
         self.groups = []                         # (type, first stack position, end)
         for pos, k in enumerate(self.order):

@@ -2,8 +2,11 @@
 
 ``Search(solver, space, trials=N, group=K, ...)``: ``run()`` asks the study for up to K trials
 (ask-and-tell), applies each one's values to the solver and its nets (``space.Space``) and
-trains them as one group: fused when their architectures match (``FusedSolvers``), else
-together (``TrainTogether``), each batch read once for the group. At each test (every
+trains them as one group: fused when their architectures match (``FusedSolvers``; by default
+its exact formulation, each net's own kernels, so a trial's numbers are those of training it
+alone whichever group it is in, and a member leaving changes no other's bits; ``exact=False``:
+the faster wide one, whose float32 sums depend on the group's width), else together
+(``TrainTogether``), each batch read once for the group. At each test (every
 ``test_interval``; not the one at iteration 0, which tells nothing of a setting) each net's
 objective, a named TEST output, is reported to its trial; a trial the pruner stops leaves its
 group at once (``drop``: the others go on with the bits they would have had) and the freed slot
@@ -68,7 +71,7 @@ class Group:
     """Trials trained at once: ``engine`` "fused" or "together"; ``step()`` runs one iteration
     of every member still in; ``drop(i)`` takes member i out; ``done(i)``: solved, last test run."""
 
-    def __init__(self, members, device=None, fuse=None, exact=False):
+    def __init__(self, members, device=None, fuse=None, exact=True):
         from .fused import FuseError, FusedSolvers
         from .together import TrainTogether
 
@@ -146,7 +149,7 @@ class Search:
     def __init__(self, solver, space, trials: int, out: str, group: int = 4,
                  objective: str = "accuracy:max", sampler="tpe", pruner="median", storage=None,
                  study: str | None = None, seed: int | None = None, device=None, fuse=None,
-                 exact: bool = False, heartbeat: int = 60, on_told=None):
+                 exact: bool = True, heartbeat: int = 60, on_told=None):
         if trials < 1 or group < 1:
             raise SearchError(f"--trials and --group must be >= 1, got {trials} and {group}")
         self.space = space if isinstance(space, Space) else Space.load(space, solver)
@@ -279,9 +282,12 @@ class Search:
             m, s = g.members[i], g.solvers[i]
             m.solver = s
             scores = s.test_scores[0] if s.test_scores else None
-            at = s.iter - s.iter % s.param.test_interval       # the test ran at this iteration
-            if scores and scores is not m.seen and at > 0:
+            # a new test ran at the start of the iteration just run, or after the last one
+            at = s.iter if g.done(i) else s.iter - 1
+            if scores and scores is not m.seen:
                 m.seen = scores
+                if at == 0:                            # the untrained net's: not reported
+                    continue
                 m.last = float(scores[self.objective])
                 m.trial.report(m.last, at)
                 if m.trial.should_prune() and not g.done(i):

@@ -29,7 +29,7 @@ from ..proto.io import read_net, write_text
 from ..proto.upgrade import upgrade_net
 from ..solvers import SolverError, load_solver_param
 from ..solvers.nets import resolve
-from .sweep import _FLOATS, _INTS, _value
+from .sweep import _FLOATS, _INTS, SweepError, _value
 
 KINDS = ("uniform", "log_uniform", "int", "log_int", "choice")
 
@@ -138,6 +138,14 @@ def _dim(key: str, spec, where: str) -> Dim:
     return Dim(key, "fixed", choices=[spec])
 
 
+def _typed(fd, key: str, v, where: str):
+    """A value from the space file as field ``fd`` takes it (``brewnet sweep --set``'s rules)."""
+    try:
+        return _value(fd, key, str(v).lower() if isinstance(v, bool) else str(v), where)
+    except SweepError as e:
+        raise SearchError(str(e)) from None
+
+
 def _check_values(dim: Dim, where: str) -> None:
     """The dim's values against its field's type (``brewnet sweep --set``'s rules)."""
     fd, key = dim.fd, dim.key
@@ -149,7 +157,7 @@ def _check_values(dim: Dim, where: str) -> None:
     if dim.kind in ("int", "log_int") and fd.type not in _INTS | _FLOATS:
         raise SearchError(f"{where}: {key} is not a number field; give a list of values")
     for v in dim.choices:
-        _value(fd, key, str(v).lower() if isinstance(v, bool) else str(v), where)
+        _typed(fd, key, v, where)
     if key == "lr_policy" or key == "type":
         from ..solvers import SOLVERS
         from ..solvers.lr_policy import policy
@@ -162,7 +170,7 @@ def _check_values(dim: Dim, where: str) -> None:
                 try:
                     policy(v)
                 except ValueError as e:
-                    raise SearchError(f"{where}: {e}") from None
+                    raise SearchError(f"{where}: lr_policy: {e}") from None
 
 
 def _inline(param, path) -> None:
@@ -300,7 +308,7 @@ class Space:
         p = pb.SolverParameter.FromString(self.base.SerializeToString())
         for d in self.dims:
             v = values[d.key]
-            typed = _value(d.fd, d.key, str(v).lower() if isinstance(v, bool) else str(v), self.where)
+            typed = _typed(d.fd, d.key, v, self.where)
             if d.fd.type in _FLOATS and isinstance(v, (int, float)) and not isinstance(v, bool):
                 typed = float(v)
             if not d.path:

@@ -44,6 +44,9 @@ def add_arguments(p) -> None:
                    help="fuse each group or fail (default: fuse when the nets match)")
     g.add_argument("--no-fuse", dest="fuse", action="store_const", const=False,
                    help="train groups together without fusing")
+    p.add_argument("--fuse-form", choices=("exact", "wide"), default="exact",
+                   help="fused groups: each net's own kernels (exact, the default: a trial's numbers "
+                        "are its own alone) or wide operators (faster; sums depend on the group)")
     p.add_argument("--show", action="store_true", help="print the table of --study in --storage and stop")
     add_gpu_flag(p)
 
@@ -79,7 +82,7 @@ def run(args) -> int:
             search = Search(args.solver, args.space, args.trials, out, group=args.group,
                             objective=args.objective, sampler=args.sampler, pruner=args.pruner,
                             storage=args.storage, study=args.study, seed=args.seed, device=device,
-                            fuse=args.fuse, heartbeat=args.heartbeat,
+                            fuse=args.fuse, exact=args.fuse_form == "exact", heartbeat=args.heartbeat,
                             on_told=None if bar is None else lambda t: bar.update(1))
             if bar is not None:         # a resumed study: the trials it has finished
                 bar.update(min(args.trials, sum(t.state.is_finished() for t in

@@ -1,0 +1,300 @@
+"""``brewnet search``: bad space files are one clear error naming the key; a seeded search asks
+the same trials and gets the same objectives; a pruned trial leaves its fused or together group
+and the others' files equal their unpruned runs; kill -9 and resume; two workers on one journal
+and on a real PostgreSQL server finish the study without running a trial twice."""
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+optuna = pytest.importorskip("optuna", reason='brewnet search needs Optuna: pip install "brewnet[search]"')
+
+from brewnet.cli import main  # noqa: E402
+from brewnet.many import study as st  # noqa: E402
+from brewnet.many.fused import FusedSolvers  # noqa: E402
+from brewnet.many.search import Search  # noqa: E402
+from brewnet.many.space import SearchError, Space  # noqa: E402
+from brewnet.many.together import TrainTogether  # noqa: E402
+from helpers import random_digits_lmdb  # noqa: E402
+
+NET = """name: "tiny"
+layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TRAIN }}
+  transform_param {{ scale: 0.00390625 }} data_param {{ source: "{lmdb}" batch_size: 8 backend: LMDB }} }}
+layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TEST }}
+  transform_param {{ scale: 0.00390625 }} data_param {{ source: "{lmdb}" batch_size: 10 backend: LMDB }} }}
+layer {{ name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+  inner_product_param {{ num_output: 12 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }}
+layer {{ name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+  inner_product_param {{ num_output: 10 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "acc" type: "Accuracy" bottom: "ip2" bottom: "label" top: "accuracy" include {{ phase: TEST }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }}
+"""
+SOLVER = ('net: "tiny.prototxt" base_lr: 0.05 lr_policy: "fixed" momentum: 0.9 max_iter: {iters} '
+          'display: 0 test_iter: 2 test_interval: 3 solver_mode: CPU')
+SPACE = "base_lr: {log_uniform: [0.005, 0.3]}\nmomentum: {uniform: [0.5, 0.95]}\n"
+TOPOLOGY = SPACE + "ip1.num_output: {int: [8, 16, step 4]}\n"
+
+
+@pytest.fixture
+def solver_file(tmp_path):
+    lmdb = random_digits_lmdb(tmp_path / "lmdb", 40, 6, seed=8)
+    (tmp_path / "tiny.prototxt").write_text(NET.format(lmdb=lmdb))
+    f = tmp_path / "tiny_solver.prototxt"
+    f.write_text(SOLVER.format(iters=6))
+    return f
+
+
+def space(tmp_path, text: str, name: str = "space.yaml") -> Path:
+    (tmp_path / name).write_text(text)
+    return tmp_path / name
+
+
+def study_of(out: Path, name: str = "tiny_solver"):
+    return st.load(f"journal:{out / 'study.journal'}", name)
+
+
+@pytest.mark.parametrize("text, error", [
+    ("basee_lr: {uniform: [0.1, 0.2]}", r"basee_lr: not a SolverParameter field.*did you mean 'base_lr'\?"),
+    ("ipp1.num_output: [4, 8]", r"ipp1.num_output: no layer 'ipp1' in the solver's nets; did you mean 'ip1'\?"),
+    ("ip1.num_outptu: [4, 8]", r"ip1.num_outptu: layer 'ip1' \(InnerProduct\) has no field 'num_outptu'.*"
+                               r"did you mean 'ip1.num_output'\?"),
+    ("ip1.num_output: {uniform: [4, 8]}", r"ip1.num_output takes an integer; a uniform range gives floats"),
+    ("max_iter: [10, 2.5]", r"max_iter takes an integer, got '2.5'"),
+    ("base_lr: {log_uniform: [0.1, 0.01]}", r"base_lr: empty range \[0.1, 0.01\] \(low > high\)"),
+    ("momentum: []", r"momentum: an empty list of values"),
+    ("base_lr: {log_uniform: [0, 0.1]}", r"base_lr: a log range needs low > 0"),
+    ("ip1.num_output: {int: [8, 30, step 4]}", r"ip1.num_output: the range \[8, 30\] is not a whole number of steps"),
+    ("lr_policy: [step, fast]", r"lr_policy: Unknown lr_policy 'fast'"),
+    ("solver_mode: [CPU, TPU]", r"solver_mode takes one of CPU, GPU, got 'TPU'"),
+    ("momentum: {normal: [0, 1]}", r"momentum: expected one of uniform, log_uniform, int, log_int, choice"),
+    ("base_lr: 0.1", r"every field has one value"),
+    ("- base_lr", r"expected a map of field: range"),
+])
+def test_bad_space_files_name_the_key(solver_file, tmp_path, text, error):
+    f = space(tmp_path, text + "\n")
+    with pytest.raises(SearchError, match=f"^{f}: {error}"):
+        Space.load(f, str(solver_file))
+
+
+def test_bad_input_is_one_line(solver_file, tmp_path, capsys):
+    f = space(tmp_path, "momentun: {uniform: [0.5, 0.9]}\n")
+    assert main(["search", "--solver", str(solver_file), "--space", str(f), "--trials", "2",
+                 "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "did you mean 'momentum'?" in err and "Traceback" not in err
+    f = space(tmp_path, SPACE)
+    assert main(["search", "--solver", str(solver_file), "--space", str(f), "--trials", "2",
+                 "--objective", "acc:max", "--out", str(tmp_path / "o")]) == 1
+    assert "--objective acc: not an output of the TEST net; its outputs: accuracy, loss" in \
+        capsys.readouterr().err
+
+
+def test_missing_optuna_says_how_to_install(solver_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "optuna", None)
+    assert main(["search", "--solver", str(solver_file), "--space", str(space(tmp_path, SPACE)),
+                 "--out", str(tmp_path / "o")]) == 1
+    assert 'needs Optuna: pip install "brewnet[search]"' in capsys.readouterr().err
+
+
+def test_net_fields_apply_to_train_and_test_nets(solver_file, tmp_path):
+    s = Space.load(space(tmp_path, TOPOLOGY + "relu1.negative_slope: [0.0, 0.1]\n"), str(solver_file))
+    p = s.apply({"base_lr": 0.01, "momentum": 0.8, "ip1.num_output": 16, "relu1.negative_slope": 0.1})
+    ip1 = [lp for lp in p.net_param.layer if lp.name == "ip1"][0]
+    relu = [lp for lp in p.net_param.layer if lp.name == "relu1"][0]
+    assert (ip1.inner_product_param.num_output, relu.relu_param.negative_slope) == (16, pytest.approx(0.1))
+    assert not p.HasField("net") and abs(p.base_lr - 0.01) < 1e-9
+
+
+def run_search(solver_file, out, text=SPACE, trials=5, **kw):
+    kw.setdefault("seed", 3)
+    return Search(str(solver_file), str(space(solver_file.parent, text, f"{out.name}.yaml")), trials,
+                  str(out), **kw).run()
+
+
+def rows(study):
+    return [(t.number, t.state.name, t.params, t.value, t.user_attrs.get("iters"))
+            for t in st.counted(study.get_trials())]
+
+
+def test_seeded_search_is_reproducible(solver_file, tmp_path, capsys):
+    a = rows(run_search(solver_file, tmp_path / "a", TOPOLOGY, group=2))
+    b = rows(run_search(solver_file, tmp_path / "b", TOPOLOGY, group=2))
+    assert a == b and len(a) == 5 and all(s == "COMPLETE" for _, s, *_ in a)
+    assert len({r[2]["ip1.num_output"] for r in a}) > 1          # topologies searched too
+    # the CLI's table and files, and --show on the finished study
+    out = tmp_path / "cli"
+    argv = ["search", "--solver", str(solver_file), "--space", str(space(tmp_path, TOPOLOGY)),
+            "--trials", "3", "--group", "3", "--seed", "3", "--out", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "accuracy:max" in text and "ip1.num_output" in text and "best: trial" in text
+    assert {p.name for p in out.glob("*.png")} == {"optimization_history.png", "parallel_coordinate.png",
+                                                   "param_importances.png", "intermediate_values.png"}
+    assert (out / "best" / "solver.prototxt").exists() and list((out / "best").glob("*_iter_6.caffemodel"))
+    assert main(["search", "--show", "--storage", f"journal:{out / 'study.journal'}", "--study",
+                 "tiny_solver"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == text.splitlines()[1:5]
+
+
+class PruneTrial1(optuna.pruners.BasePruner):
+    def prune(self, study, trial):
+        return trial.number == 1
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "together"])
+def test_pruned_trial_leaves_its_group_others_unchanged(solver_file, tmp_path, fuse):
+    solver_file.write_text(SOLVER.format(iters=9))
+    kw = dict(trials=3, group=3, fuse=fuse)
+    pruned = run_search(solver_file, tmp_path / "pruned", pruner=PruneTrial1(), **kw)
+    full = run_search(solver_file, tmp_path / "full", pruner="none", **kw)
+    got = {t.number: (t.state.name, t.user_attrs["iters"]) for t in pruned.trials}
+    assert got == {0: ("COMPLETE", 9), 1: ("PRUNED", 4), 2: ("COMPLETE", 9)}
+    assert [t.params for t in pruned.trials] == [t.params for t in full.trials]
+    for n in (0, 2):
+        a = (tmp_path / "pruned" / "trials" / str(n) / "tiny_solver_iter_9.caffemodel").read_bytes()
+        assert a == (tmp_path / "full" / "trials" / str(n) / "tiny_solver_iter_9.caffemodel").read_bytes()
+    assert pruned.trials[0].value == full.trials[0].value and pruned.trials[2].value == full.trials[2].value
+
+
+def test_drop_from_fused_and_together_engines(solver_file, tmp_path):
+    """The engines alone: net 1 leaves after 2 iterations; nets 0 and 2 end bit for bit as
+    in the run where all three train to the end."""
+    from brewnet.many.space import Space
+
+    s = Space.load(space(tmp_path, SPACE), str(solver_file))
+
+    def params(tag):
+        ps = []
+        for k, lr in enumerate((0.01, 0.05, 0.1)):
+            p = s.apply({"base_lr": lr, "momentum": 0.9})
+            p.random_seed, p.snapshot_prefix = 10 + k, str(tmp_path / f"{tag}{k}")
+            ps.append(p)
+        return ps
+
+    for engine in (FusedSolvers, TrainTogether):
+        runs = []
+        for drop in (False, True):
+            runner = engine(params(f"{engine.__name__}{drop}"))
+            for i, _ in enumerate(runner.solving()):
+                if drop and i == 1:
+                    runner.drop(1)
+            runs.append([[t.detach().clone() for t in runner.solvers[k].net.learnable] for k in (0, 2)])
+            assert runner.solvers[1].iter == (2 if drop else 6) and runner.solvers[0].iter == 6
+        for a, b in zip(*runs):
+            assert all(x.equal(y) for x, y in zip(a, b)), engine.__name__
+
+
+def search_cmd(solver_file, out, storage, trials=6, group=2):
+    return [sys.executable, "-m", "brewnet", "search", "--solver", str(solver_file), "--space",
+            str(solver_file.parent / "space.yaml"), "--trials", str(trials), "--group", str(group),
+            "--seed", "5", "--pruner", "none", "--out", str(out), "--storage", storage]
+
+
+def test_resume_after_kill_9(solver_file, tmp_path):
+    space(tmp_path, SPACE)
+    solver_file.write_text(SOLVER.format(iters=30))
+    out = tmp_path / "out"
+    cmd = search_cmd(solver_file, out, f"journal:{out / 'study.journal'}")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            time.sleep(0.2)
+            if not (out / "study.journal").exists():
+                continue
+            states = [t.state.name for t in study_of(out).trials]
+            if states.count("COMPLETE") >= 2 and "RUNNING" in states:
+                break
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    before = study_of(out).trials
+    done = {t.number: t.value for t in before if t.state.name == "COMPLETE"}
+    killed = {t.number: t.params for t in before if t.state.name == "RUNNING"}
+    assert len(done) >= 2 and killed
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    after = study_of(out).trials
+    assert {t.number: t.value for t in after if t.number in done} == done      # kept, not rerun
+    for n, params in killed.items():
+        assert after[n].state.name == "FAIL"                                   # retried once:
+        retry = [t for t in after if t.system_attrs.get("failed_trial") == n]
+        assert len(retry) == 1 and retry[0].params == params and retry[0].state.name == "COMPLETE"
+    counted = st.counted(after)
+    assert len(counted) == 6 and all(t.state.name == "COMPLETE" for t in counted)
+
+
+def two_workers(solver_file, tmp_path, storage):
+    space(tmp_path, SPACE)
+    solver_file.write_text(SOLVER.format(iters=9))
+    outs = [tmp_path / "w0", tmp_path / "w1"]
+    procs = [subprocess.Popen(search_cmd(solver_file, o, storage, trials=6), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for o in outs]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    study = st.load(storage, "tiny_solver")
+    counted = st.counted(study.get_trials())
+    assert len(counted) == 6 and all(t.state.name == "COMPLETE" for t in counted)
+    ran = [int(d.name) for o in outs for d in (o / "trials").iterdir()]
+    assert sorted(ran) == sorted(t.number for t in counted)         # each trial ran once, somewhere
+    assert len({t.user_attrs["worker"] for t in counted}) == 2         # both workers trained
+    assert not [t for t in study.get_trials() if t.state.name in ("RUNNING", "WAITING")]
+
+
+def test_two_workers_on_one_journal(solver_file, tmp_path):
+    two_workers(solver_file, tmp_path, f"journal:{tmp_path / 'shared.journal'}")
+
+
+def _postgres_bin():
+    found = shutil.which("initdb") or next(iter(sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))), None)
+    return Path(found).resolve().parent if found else None
+
+
+@pytest.fixture
+def postgres(tmp_path):
+    """A throwaway PostgreSQL server on a localhost port (as user postgres when run as root:
+    initdb refuses root)."""
+    pytest.importorskip("psycopg2", reason='PostgreSQL storage needs psycopg2: pip install "brewnet[search]"')
+    bindir = _postgres_bin()
+    if bindir is None:
+        pytest.skip("PostgreSQL's initdb/pg_ctl are not installed (Debian: apt-get install postgresql)")
+    as_user = []
+    root = tmp_path / "pg"
+    root.mkdir()
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no 'postgres' user for initdb")
+        shutil.chown(root, "postgres")
+        root.chmod(0o755)
+        tmp_path.chmod(0o755)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = root / "data"
+    subprocess.run(as_user + [str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
+                              "--no-sync", "-E", "UTF8"], check=True, capture_output=True)
+    subprocess.run(as_user + [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w", "-o",
+                              f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off", "start"],
+                   check=True, capture_output=True)
+    try:
+        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run(as_user + [str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"],
+                       capture_output=True)
+
+
+def test_two_workers_on_postgresql(solver_file, tmp_path, postgres):
+    two_workers(solver_file, tmp_path, postgres)
