@@ -51,18 +51,31 @@ def _copy_all(net, found: list, source: str) -> None:
                 dst.copy_(torch.from_numpy(np.ascontiguousarray(arr)).reshape(dst.shape))
 
 
-def load_weights(net, path, require_match: bool = False) -> list[str]:
+def _fits(net, found_layer, source: str) -> bool:
+    try:
+        _check_layer(net, *found_layer, source)
+        return True
+    except NetError as e:
+        log.warning("%s; it keeps its filler values", e)
+        return False
+
+
+def load_weights(net, path, require_match: bool = False, reinit_mismatched: bool = False) -> list[str]:
     """Copy the layers of ``path`` whose names are in ``net`` (Caffe's ``CopyTrainedLayersFrom``).
 
     Layers of the net with parameters that the file does not hold keep their filler values,
     as in Caffe, with a warning naming them; with ``require_match`` a file that gives no such
-    layer any weights (another net's file) is a NetError. Returns the layers left unloaded."""
+    layer any weights (another net's file) is a NetError. A layer whose params differ from the
+    file's in count or shape is a NetError, or with ``reinit_mismatched`` (owl's finetuning
+    rule) keeps its filler values too. Returns the layers left unloaded."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"weights file not found: {path}")
     with open(path, "rb") as f:
         is_h5 = f.read(8) == b"\x89HDF\r\n\x1a\n"
     found = _read_h5(net, path) if is_h5 else _read_caffemodel(net, path)
+    if reinit_mismatched:
+        found = [f for f in found if _fits(net, f, path)]
     loaded = {name for name, arrays, _ in found if arrays}
     with_params = [l.name for l in net.layer_list if l.blobs]
     left = [name for name in with_params if name not in loaded]

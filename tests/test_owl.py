@@ -354,3 +354,27 @@ def test_a_snapshot_index_without_a_snapshot_interval_is_one_clear_line(trained,
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == ("brewnet owl net_tester: snapshot index 2: the solver has no 'snapshot' interval to "
                    "turn it into an iteration (snapshot: 0)")
+
+
+def test_a_layer_whose_shape_changed_is_refilled_as_owl_finetunes(small_test, tmp_path, caplog):
+    """ip2 with 5 outputs instead of 10: snapshot 3 loads every layer but ip2, which keeps its
+    fillers ("Weight Need Reinit ip2"); NetTrainer resumes from index 3 the same way."""
+    import logging
+
+    d, _ = small_test
+    five = tmp_path / "five.prototxt"
+    five.write_text((d / "small.prototxt").read_text().replace("num_output: 10", "num_output: 5"))
+    s = tmp_path / "five_solver.prototxt"
+    s.write_text(SOLVER.format(net=five, prefix=d / "lenet", test="").replace("max_iter: 30", "max_iter: 31"))
+    trained = weights(d / "lenet_iter_30.caffemodel")
+    with caplog.at_level(logging.INFO, logger="brewnet"):
+        f = owl_tools.FeatureExtractor(str(s), 3)
+        f.build_net()
+        t = owl_tools.NetTrainer(str(s), 3)
+        t.build_net()
+    assert caplog.text.count("Weight Need Reinit ip2") == 2 and "Reinit conv1" not in caplog.text
+    for net in (f.owl_net.core("TEST"), t.owl_net.core("TRAIN")):
+        conv1 = net.layer_by_name["conv1"].blobs[0].detach().numpy().reshape(-1)
+        assert np.array_equal(conv1, trained[("conv1", 0)])
+        assert tuple(net.layer_by_name["ip2"].blobs[0].shape) == (5, 500)
+    assert t.owl_net.trainer_solver.iter == 30

@@ -4,7 +4,8 @@ Snapshots are brewnet's (Caffe's files); owl's snapshot *index* picks one: index
 ``<snapshot_prefix>_iter_<k x snapshot>.caffemodel`` (``.caffemodel.h5`` with
 ``snapshot_format: HDF5``) and its ``.solverstate``, so index 0 is the start and training
 resumes at iteration k x snapshot, as owl's ``NetTrainer`` does. A missing snapshot leaves the
-filler values, with owl's "Weight Need Reinit <layer>" line per layer.
+filler values, with owl's "Weight Need Reinit <layer>" line per layer; so does a layer whose
+shape differs from the snapshot's (owl's finetuning: rename nothing, change num_output).
 
 owl's stacked layers: an in-place layer (bottom == top, e.g. ``relu1`` on ``ip1``) got a top of
 its own named after the layer; ``owl_param`` does the same to the definition (the numbers are
@@ -149,18 +150,21 @@ class CaffeNetBuilder:
         solver = getattr(owl_net, "trainer_solver", None)
         if solver is not None and os.path.exists(state) and os.path.exists(model):
             log.info("Restoring snapshot %d: %s", snapshotidx, state)
-            solver.restore(state)
-            return it
-        cores = [owl_net._cores[k] for k in owl_net.phases_built]
+            try:
+                solver.restore(state)
+                return it
+            except ValueError as e:       # another net's shapes: owl finetunes from what fits
+                log.warning("%s; loading the weights that fit, with fresh history", e)
         if os.path.exists(model):
             log.info("Loading snapshot %d: %s", snapshotidx, model)
-            for core in cores:
-                load_weights(core, model, require_match=True)
+            for core in [owl_net._cores[k] for k in owl_net.phases_built]:
+                reinit = load_weights(core, model, require_match=True, reinit_mismatched=True)
         else:
             if snapshotidx:
                 log.warning("No snapshot %d (%s): the weights keep their filler values", snapshotidx, model)
-            for name in _layers_with_params(owl_net):
-                log.info("Weight Need Reinit %s", name)
+            reinit = _layers_with_params(owl_net)
+        for name in reinit:
+            log.info("Weight Need Reinit %s", name)
         if solver is not None:
             start_at(solver, it)
         return it
