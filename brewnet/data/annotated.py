@@ -72,6 +72,8 @@ class _Augment:
             base.ClearField(field)
         self.tf = DataTransformer(base, phase, rng=rng, who=who)     # mean, scale, crop, checks
         self.rng = rng
+        # TransformAnnotation tests it at every step (expand, sampled crop, final crop)
+        self.emit = tparam.emit_constraint if tparam.HasField("emit_constraint") else None
         if tparam.HasField("noise_param"):
             raise TransformError(f"{who}: noise_param is not supported")
         rp = tparam.resize_param
@@ -99,13 +101,13 @@ class _Augment:
         if p.HasField("expand_param"):
             img, box = A.random_expand(img, p.expand_param, self.fill(), rng)
             if box is not None:
-                annos = transform_annos(annos, box)
+                annos = transform_annos(annos, box, emit=self.emit)
         if self.samplers:
             boxes = batch_samples(annos.box, self.samplers, rng)
             if boxes:
                 box = np.clip(boxes[int(rng.integers(len(boxes)))], f32(0), f32(1))
                 img = A.crop(img, box)
-                annos = transform_annos(annos, box)
+                annos = transform_annos(annos, box, emit=self.emit)
         return self.final(img, annos)
 
     def final(self, img: np.ndarray, annos: Annos) -> tuple[np.ndarray, Annos]:
@@ -136,8 +138,7 @@ class _Augment:
             out *= tf.scale
         if mirror:
             out = out[..., ::-1]
-        emit = p.emit_constraint if p.HasField("emit_constraint") else None
-        return out, transform_annos(annos, crop_box, mirror, resize, emit)
+        return out, transform_annos(annos, crop_box, mirror, resize, self.emit)
 
 
 class _AnnoLoader(_DatumLoader):

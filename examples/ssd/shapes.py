@@ -109,12 +109,16 @@ def adapt(src: Path, dst: Path, classes: int, source: str, batch: int, size: int
 def brewnet(*args, log: Path | None = None) -> str:
     cmd = [sys.executable, "-m", "brewnet", *map(str, args)]
     print("$", " ".join(cmd[2:]), flush=True)
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if log is not None:
-        log.write_text(p.stdout + p.stderr)
+    if log is None:
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        text = p.stdout + p.stderr
+    else:                                   # streamed: follow a long run with tail -f
+        with open(log, "w") as f:
+            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
+        text = log.read_text()
     if p.returncode:
-        sys.exit(f"failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return p.stdout + p.stderr
+        sys.exit(f"failed ({p.returncode}):\n{text[-3000:]}")
+    return text
 
 
 def main(argv=None) -> None:
@@ -152,8 +156,8 @@ momentum: 0.9
 momentum2: 0.999
 weight_decay: 0.00005
 max_iter: {a.iters}
-display: 20
-average_loss: 20
+display: 10
+average_loss: 10
 snapshot: {a.iters}
 snapshot_prefix: "{out}/ssd_shapes"
 random_seed: 1
