@@ -378,3 +378,27 @@ def test_a_layer_whose_shape_changed_is_refilled_as_owl_finetunes(small_test, tm
         assert np.array_equal(conv1, trained[("conv1", 0)])
         assert tuple(net.layer_by_name["ip2"].blobs[0].shape) == (5, 500)
     assert t.owl_net.trainer_solver.iter == 30
+
+
+def test_owls_net_structure_and_passes(trained):
+    """What owl code reaches for: units by name (a unit per phase variant), the weighted units,
+    out_shape in owl's order, receptive fields, forward/backward and the gradients."""
+    from brewnet.owl.net import CaffeNetBuilder, Net
+
+    _, s, _ = trained
+    net = Net()
+    CaffeNetBuilder(s).build_net(net)
+    assert len(net.name_to_uid["mnist"]) == 2 and net.batch_size == 16
+    assert [net.units[u].name for u in net.loss_uids] == ["loss"]
+    net.compute_size("TRAIN")
+    assert [net.units[u].name for u in net.get_weighted_unit_ids()] == ["conv1", "conv2", "ip1", "ip2"]
+    conv2 = net.get_units_by_name("conv2")[0]
+    assert conv2.out_shape == [8, 8, 50]                       # [W, H, C], as owl's
+    assert (conv2.rec_on_ori, conv2.stride_on_ori, conv2.start_on_ori) == (14, 2, 0)
+    net.forward("TRAIN")
+    net.backward("TRAIN")
+    assert conv2.out.shape == [8, 8, 50, 16] and conv2.out.to_numpy().shape == (16, 50, 8, 8)
+    assert np.abs(conv2.weightgrad.to_numpy()).sum() > 0
+    ip1, relu1 = (net.get_units_by_name(n)[0].out.to_numpy() for n in ("ip1", "relu1"))
+    assert (ip1 < 0).any() and np.array_equal(np.maximum(ip1, 0), relu1)
+    assert net.get_units_by_name("loss")[0].getloss() > 0

@@ -355,8 +355,8 @@ class NetTrainer:
         s.snapshot = snapshot_by_index
         s.test_all = lambda: self._test(s) if root and s.iter != start else None
         s.add_callback(on_gradients=on_gradients)
-        try:
-            s.solve()
+        try:       # Ctrl-C stops and SIGHUP snapshots, as brewnet train (one process)
+            s.solve(**({} if self.world else {"sigint_effect": "stop", "sighup_effect": "snapshot"}))
             if self.replicas is not None:
                 self.replicas.finish()
         finally:
@@ -376,8 +376,10 @@ class NetTrainer:
         units = [u for u in self.owl_net.units_of("TEST") if isinstance(u, AccuracyUnit)]
         if not units:
             raise ValueError("owl's test during training needs an Accuracy layer in the TEST net")
+        if not s.param.test_iter:
+            raise ValueError("owl's test during training needs test_iter in the solver")
         acc, hits, seen = units[-1], 0.0, 0
-        for i in range(p_test_iter(s)):
+        for i in range(s.param.test_iter[0]):
             with torch.no_grad():
                 core.forward_tensors()
             hits, seen = hits + acc.acc * acc.batch_size, seen + acc.batch_size
@@ -396,12 +398,6 @@ class NetTrainer:
         code = spawn(argv, self.num_gpu, self.timeout)
         if code:
             raise RuntimeError(f"{self.num_gpu} training workers: a worker failed (see its lines above)")
-
-
-def p_test_iter(s) -> int:
-    if not s.param.test_iter:
-        raise ValueError("owl's test during training needs test_iter in the solver")
-    return s.param.test_iter[0]
 
 
 __all__ = ["NetTrainer", "NetTester", "MultiviewTester", "FeatureExtractor", "HeatmapVisualizer",
