@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Rerun every benchmark whose figures docs/performance.md quotes, one after another, and keep
+# each one's output with the command, the commit and the machine it ran on:
+#   bash scripts/benchmarks.sh [NAME ...]       # default: all; results in benchmarks/results/
+# Needs the shared models and data ($BREWNET_SHARED, default ../shared). Takes an hour or more;
+# run it on an otherwise idle machine, or note the load it reports.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+declare -A CMD=(
+  [small_nets]="python benchmarks/small_nets.py"
+  [inference]="python benchmarks/inference.py"
+  [step_graph]="python benchmarks/step_graph.py"
+  [data]="python benchmarks/data.py"
+  [many_nets]="python benchmarks/many_nets.py --ks 8"
+  [fused]="python benchmarks/fused.py"
+  [thread_bits]="python benchmarks/thread_bits.py"
+  [scaling]="python benchmarks/scaling.py"
+  [serve]="python benchmarks/serve.py lenet --body jpeg,npy --breakdown"
+)
+ORDER=(small_nets inference step_graph data many_nets fused thread_bits scaling serve)
+names=("${@:-${ORDER[@]}}")
+mkdir -p benchmarks/results
+for name in "${names[@]}"; do
+  cmd=${CMD[$name]:?unknown benchmark $name (known: ${ORDER[*]})}
+  out=benchmarks/results/$name.txt
+  {
+    echo "# $cmd"
+    echo "# commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%Y-%m-%dT%H:%MZ)"
+    echo "# cpu: $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p'), $(nproc) usable cores," \
+         "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "# torch $(python -c 'import torch; print(torch.__version__)')"
+  } > "$out"
+  echo "== $name: $cmd"
+  start=$(date +%s)
+  $cmd 2>&1 | tee -a "$out"
+  echo "# took $(( $(date +%s) - start )) s, load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out"
+done
