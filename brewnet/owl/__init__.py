@@ -5,7 +5,8 @@ owl drove Caffe-format nets with a few tool classes (``owl.net.trainer``: ``NetT
 ``HeatmapVisualizer``) and its scripts (``scripts/learning/*.py``; here ``brewnet owl ...``).
 Through ``brewnet run`` (``owl`` -> ``brewnet.owl``) those scripts run unchanged. This module
 holds the device calls they make: ``initialize``, ``create_cpu_device``, ``create_gpu_device``,
-``set_device``, ``wait_for_all``, ``has_mpi`` (and ``has_cuda``, ``get_gpu_device_count``).
+``set_device``, ``wait_for_all``, ``has_mpi`` (and ``has_cuda``, ``get_gpu_device_count``,
+``from_numpy``).
 
 A device is a ``torch.device``. Minerva ran on GPUs only for its nets; here
 ``create_gpu_device(i)`` on a machine without CUDA device ``i`` warns once and gives the CPU,
@@ -73,6 +74,13 @@ def current_device() -> torch.device:
     return _current[0]
 
 
+def from_numpy(arr):
+    """An owl NArray of a numpy array in Caffe's (N, C, H, W) order (``unit.weight = ...``)."""
+    from .net.net import from_numpy as make
+
+    return make(arr)
+
+
 def wait_for_all() -> None:
     """Minerva's barrier: here, wait for queued CUDA work (torch's CPU ops have finished)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -80,4 +88,4 @@ def wait_for_all() -> None:
 
 
 __all__ = ["initialize", "has_cuda", "has_mpi", "get_gpu_device_count", "create_cpu_device",
-           "create_gpu_device", "set_device", "current_device", "wait_for_all"]
+           "create_gpu_device", "set_device", "current_device", "wait_for_all", "from_numpy"]

@@ -331,6 +331,10 @@ class NetTrainer:
         root = self.world is None or self.world.rank == 0
         last = [time.perf_counter()]
         loss_units = [u for u in self.owl_net.units_of("TRAIN") if isinstance(u, SoftmaxUnit)]
+        if s.test_nets and p.test_interval and not any(
+                isinstance(u, AccuracyUnit) for u in self.owl_net.units_of("TEST")):
+            raise ValueError(f"{self.solver_file}: owl tests during training with the TEST net's "
+                             "Accuracy layer, and it has none (drop test_iter/test_interval)")
 
         def on_gradients():
             i = s.iter
@@ -374,10 +378,6 @@ class NetTrainer:
         core = self.owl_net.core("TEST")
         s.share_weights(core)
         units = [u for u in self.owl_net.units_of("TEST") if isinstance(u, AccuracyUnit)]
-        if not units:
-            raise ValueError("owl's test during training needs an Accuracy layer in the TEST net")
-        if not s.param.test_iter:
-            raise ValueError("owl's test during training needs test_iter in the solver")
         acc, hits, seen = units[-1], 0.0, 0
         for i in range(s.param.test_iter[0]):
             with torch.no_grad():
