@@ -9,7 +9,8 @@ with their positional arguments, on ``brewnet.owl``'s tool classes.
     brewnet owl filter_visualizer SOLVER LAYER RESULT_PATH [SNAPSHOT [GPU_IDX]]
 
 SNAPSHOT is owl's snapshot index (iteration = index x the solver's ``snapshot``), default 0;
-the trailing arguments default as in owl's README. owl's lines go to stdout, brewnet's log to
+the trailing arguments default as in owl's README (GPU_IDX 0; owl's multiview_test took
+``-g``, default 1). owl's lines go to stdout, brewnet's log to
 stderr. NUM_GPU devices beyond this machine's GPUs are CPU worker processes.
 """
 from __future__ import annotations

@@ -70,6 +70,13 @@ class _Tool:
             raise ValueError(f"layer '{name}' is a {units[0].params.type} layer, not {kind.__name__[:-4]}")
         return units[0]
 
+    def _output(self, layer: str) -> str:
+        """The blob holding ``layer``'s own output in the TEST net."""
+        unit = self._unit(layer)
+        if not unit.top_names:
+            raise ValueError(f"layer '{layer}' ({unit.params.type}) has no output")
+        return unit.top_names[0]
+
     def _test_iter(self) -> int:
         if not self.owl_net.solver.test_iter:
             raise ValueError(f"{self.solver_file}: no test_iter: owl's tools run test_iter[0] batches")
@@ -153,7 +160,7 @@ class FeatureExtractor(_Tool):
         """Returns the number of lines (images) written."""
         from ...analysis.features import batches
 
-        blob = self._unit(layer_name).top_names[0]
+        blob = self._output(layer_name)
         rows = 0
         with open(feature_path, "w") as f:
             for i, (feats, _) in enumerate(batches(self.owl_net.core("TEST"), [blob],
@@ -176,9 +183,8 @@ class HeatmapVisualizer(_Tool):
     def run(self, layer_name, result_path) -> list[Path]:
         from ...analysis.heatmap import from_net, save_pictures
 
-        unit = self._unit(layer_name)
         core = self.owl_net.core("TEST")
-        blob = unit.top_names[0]
+        blob = self._output(layer_name)
         if len(core.shapes[blob]) != 4:
             raise ValueError(f"layer '{layer_name}' gives {core.shapes[blob]}; a heatmap needs an "
                              "N x C x H x W output (a convolution or pooling layer)")
@@ -204,7 +210,7 @@ class FilterVisualizer(_Tool):
         from ...analysis.filters import scan
 
         core = self.owl_net.core("TEST")
-        blob = self._unit(self.layer_name).top_names[0]
+        blob = self._output(self.layer_name)
         images = min(self._test_iter() * core.shapes[blob][0], MAX_FILTER_IMAGES)
         say("Begin Generating Activations from Testing Set")
         top = scan(core, blob, images)
