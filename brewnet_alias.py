@@ -21,13 +21,14 @@ ALIASES = {"caffe": "brewnet", "owl": "brewnet.owl"}
 
 
 def real_module(name: str):
-    """The spec of a real, non-alias top-level module ``name`` if one is importable, else None."""
+    """The spec of a real, non-alias top-level module ``name`` if one is importable, else None.
+    A bare directory of that name (a namespace package, e.g. tests beside a script) is none."""
     for finder in sys.meta_path:
         if isinstance(finder, AliasFinder):
             continue
         find = getattr(finder, "find_spec", None)
         spec = find(name, None) if find else None
-        if spec is not None:
+        if spec is not None and spec.origin is not None:
             return spec
     return None
 

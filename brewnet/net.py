@@ -36,6 +36,7 @@ from .proto import caffe_pb2 as pb
 log = logging.getLogger("brewnet")
 __all__ = ["Net", "NetError"]
 INT_MAX = 2 ** 31 - 1     # Caffe's blobs count elements in an int
+HOOKS = ("before_forward", "after_forward", "before_backward", "after_backward")
 
 
 def _load_param(source) -> "pb.NetParameter":
@@ -86,6 +87,7 @@ class Net:
         from .runtime import default_device
 
         self.device = torch.device(device) if device is not None else default_device()
+        self.hooks: dict[str, list] = {w: [] for w in HOOKS}
         self._build()
         if weights:
             from .weights import load_weights
@@ -338,6 +340,8 @@ class Net:
                     ts = [self._input_value(n, cur) for n in self.top_lists[j]]
                     if grad:
                         self._ran[j] = ([], ts, True)
+        if self.hooked():
+            return self._forward_hooked(i0, i1)
         losses = []                             # (weight, loss top) of this pass
         chains = {} if grad else self._folder.chains
         with torch.set_grad_enabled(grad):
@@ -370,6 +374,33 @@ class Net:
                     w = self._loss_weights.get(name)
                     if w:
                         losses.append((w, t))
+        return self._weighted_loss(losses)
+
+    def add_hook(self, when: str, fn) -> None:
+        """Caffe's Net callbacks (``Net::add_before_forward`` ...): ``fn(i)`` runs before or
+        after layer ``i``'s forward or backward, every layer in order, as ``ForwardFromTo`` and
+        ``BackwardFromTo`` call them. A hooked net runs layer by layer (no fused or recorded
+        passes), so each call brackets exactly its layer's work."""
+        if when not in self.hooks:
+            raise ValueError(f"add_hook: '{when}' is not one of {list(self.hooks)}")
+        if not callable(fn):
+            raise TypeError(f"{when}: expected a callable taking the layer index, got {fn!r}")
+        self.hooks[when].append(fn)
+
+    def hooked(self) -> bool:
+        return any(self.hooks.values())
+
+    def _forward_hooked(self, i0: int, i1: int) -> torch.Tensor:
+        losses = []
+        for i in range(i0, i1 + 1):
+            for fn in self.hooks["before_forward"]:
+                fn(i)
+            for name, t in zip(self.top_lists[i], self.forward_layer(i)):
+                w = self._loss_weights.get(name)
+                if w:
+                    losses.append((w, t))
+            for fn in self.hooks["after_forward"]:
+                fn(i)
         return self._weighted_loss(losses)
 
     def _weighted_loss(self, losses) -> torch.Tensor:
@@ -427,10 +458,15 @@ class Net:
             return
         hi = self._index(start, len(self.layer_list) - 1)
         lo = self._index(end, 0)
-        if not all(self._ran.get(j, (0, 0, False))[2] for j in range(lo, hi + 1)):
+        hooked = self.hooked()
+        if hooked or not all(self._ran.get(j, (0, 0, False))[2] for j in range(lo, hi + 1)):
             done: set[str] = set()
             for j in range(hi, lo - 1, -1):
-                self.backward_layer(j, done, blob_diffs)
+                for fn in self.hooks["before_backward"]:
+                    fn(j)
+                self.backward_layer(j, done, blob_diffs or hooked)   # layer by layer: diffs carry it
+                for fn in self.hooks["after_backward"]:
+                    fn(j)
             return
         seeds, grads = [], []
         for j, k in self._frontier(lo, hi):

@@ -48,7 +48,7 @@ class Net(core.Net):
         whole = start is None and end is None
         with self._threads as tuner:
             traces = self._lean.traces
-            if not (whole and not blobs and self._lean.run()):
+            if not (whole and not blobs and not self.hooked() and self._lean.run()):
                 if not whole:
                     self._lean.settle()      # a partial pass reads what the graph did not write
                 self._lean.drop()
@@ -82,9 +82,25 @@ class Net(core.Net):
         outs = self.inputs if end is None else self.bottom_lists[self._index(end, 0)]
         return {n: self.blobs[n].diff for n in list(outs) + list(diffs or [])}
 
-    def after_backward(self, callback) -> None:
-        """pycaffe's ``net.after_backward(nccl)``: reduce gradients during the backward pass."""
-        callback.reduce_during_backward(self)
+    def before_forward(self, fn) -> None:
+        """pycaffe's ``net.before_forward(fn)``: ``fn(layer index)`` before each layer's forward."""
+        self.add_hook("before_forward", fn)
+
+    def after_forward(self, fn) -> None:
+        """pycaffe's ``net.after_forward(fn)``: ``fn(layer index)`` after each layer's forward."""
+        self.add_hook("after_forward", fn)
+
+    def before_backward(self, fn) -> None:
+        """pycaffe's ``net.before_backward(fn)``: ``fn(layer index)`` before each layer's backward."""
+        self.add_hook("before_backward", fn)
+
+    def after_backward(self, fn) -> None:
+        """pycaffe's ``net.after_backward(fn)``: ``fn(layer index)`` after each layer's backward;
+        given an NCCL (``net.after_backward(nccl)``), gradients are reduced during the pass."""
+        if hasattr(fn, "reduce_during_backward"):
+            fn.reduce_during_backward(self)
+        else:
+            self.add_hook("after_backward", fn)
 
     def forward_all(self, blobs=None, **inputs):
         """pycaffe's ``forward_all``: any number of items, run batch by batch (the last one

@@ -332,7 +332,7 @@ class Solver:
 
     def _forward_backward(self) -> np.float32:
         total = None
-        graph = self._step_graph(getattr(self, "_iters_left", 0))
+        graph = None if self.net.hooked() else self._step_graph(getattr(self, "_iters_left", 0))
         for _ in range(self.param.iter_size):
             self._feed(self.net, self.train_feed, self._train_count)
             self._train_count += 1

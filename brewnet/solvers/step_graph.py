@@ -72,6 +72,8 @@ def refusal(solver) -> str | None:
         return f"device {net.device}"
     if not net._needs_backward:
         return "no loss to backpropagate"
+    if net.hooked():
+        return "layer hooks (Net.add_hook): they time or watch each layer"
     for layer, bottoms in zip(net.layer_list, net.bottom_lists):
         if not bottoms:
             continue

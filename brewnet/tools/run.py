@@ -5,6 +5,7 @@ brewnet (``brewnet_alias``). A real Caffe that is importable is never shadowed u
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 
@@ -58,21 +59,19 @@ def run(args) -> int:
 
     if (args.module is None) == (args.script is None):
         return report(COMMAND, CLIError("give a SCRIPT to run or -m MODULE (one of them)"))
+    if args.script and not os.path.isfile(args.script):
+        return report(COMMAND, CLIError(f"{args.script}: no such file"))
+    # The script's own folder (or the working one for -m) comes first, as python puts it.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)) if args.script else os.getcwd())
     refusal = real_caffe_refusal(args.shadow_caffe)
     if refusal:
         return report(COMMAND, CLIError(refusal))
     brewnet_alias.install(shadow=args.shadow_caffe)
-    target = args.module or args.script
-    sys.argv = [target] + list(args.args)
+    sys.argv = [args.module or args.script] + list(args.args)
     try:
         if args.module:
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
         else:
-            import os
-
-            if not os.path.isfile(args.script):
-                return report(COMMAND, CLIError(f"{args.script}: no such file"))
-            sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
             runpy.run_path(args.script, run_name="__main__")
     except SystemExit as e:             # the script's own exit status, as python gives it
         if e.code is None or isinstance(e.code, int):
