@@ -332,3 +332,56 @@ def test_map_accumulates_evaluate_rows_as_the_solver():
     assert aps[1] == pytest.approx(0.5 + 0.5 * 2 / 3, abs=1e-6)
     assert aps[2] is None                   # only a difficult match: skipped, still averaged
     assert m.mean_ap("Integral") == pytest.approx((0.5 + 0.5 * 2 / 3) / 2, abs=1e-6)
+
+
+TINY_SSD = """name: "tiny_ssd"
+layer {{ name: "data" type: "AnnotatedData" top: "data" top: "label" include {{ phase: TEST }}
+  transform_param {{ scale: 0.0078125 mean_value: 128 resize_param {{ height: 32 width: 32 }} }}
+  data_param {{ source: "{source}" batch_size: 4 }} }}
+layer {{ name: "f" type: "Convolution" bottom: "data" top: "f"
+  convolution_param {{ num_output: 8 kernel_size: 8 stride: 8 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "loc" type: "Convolution" bottom: "f" top: "loc"
+  convolution_param {{ num_output: 4 kernel_size: 1 weight_filler {{ type: "gaussian" std: 0.1 }} }} }}
+layer {{ name: "loc_p" type: "Permute" bottom: "loc" top: "loc_p" permute_param {{ order: 0 order: 2 order: 3 order: 1 }} }}
+layer {{ name: "loc_f" type: "Flatten" bottom: "loc_p" top: "loc_f" }}
+layer {{ name: "conf" type: "Convolution" bottom: "f" top: "conf"
+  convolution_param {{ num_output: 3 kernel_size: 1 weight_filler {{ type: "gaussian" std: 1 }} }} }}
+layer {{ name: "conf_p" type: "Permute" bottom: "conf" top: "conf_p" permute_param {{ order: 0 order: 2 order: 3 order: 1 }} }}
+layer {{ name: "conf_f" type: "Flatten" bottom: "conf_p" top: "conf_f" }}
+layer {{ name: "conf_r" type: "Reshape" bottom: "conf_f" top: "conf_r" reshape_param {{ shape {{ dim: 0 dim: -1 dim: 3 }} }} }}
+layer {{ name: "conf_s" type: "Softmax" bottom: "conf_r" top: "conf_s" softmax_param {{ axis: 2 }} }}
+layer {{ name: "conf_sf" type: "Flatten" bottom: "conf_s" top: "conf_sf" }}
+layer {{ name: "prior" type: "PriorBox" bottom: "f" bottom: "data" top: "prior"
+  prior_box_param {{ min_size: 12 clip: true variance: 0.1 variance: 0.1 variance: 0.2 variance: 0.2 }} }}
+layer {{ name: "det" type: "DetectionOutput" bottom: "loc_f" bottom: "conf_sf" bottom: "prior" top: "det"
+  detection_output_param {{ num_classes: 3 background_label_id: 0 code_type: CENTER_SIZE
+    nms_param {{ nms_threshold: 0.45 top_k: 50 }} keep_top_k: 20 confidence_threshold: 0.01 }} }}
+layer {{ name: "detection_eval" type: "DetectionEvaluate" bottom: "det" bottom: "label" top: "detection_eval"
+  detection_evaluate_param {{ num_classes: 3 background_label_id: 0 overlap_threshold: 0.1 }} }}
+"""
+
+
+@pytest.mark.parametrize("version", ["11point", "MaxIntegral"])
+def test_brewnet_test_reports_the_solvers_map(tmp_path, caplog, version):
+    """``brewnet test`` on an SSD test net: the mAP line is DetectionMAP over the batches'
+    DetectionEvaluate tops (the net run again here on the same weights and records)."""
+    import logging
+
+    from brewnet import cli
+
+    db = _rect_lmdb(tmp_path / "r", n=8)
+    model = tmp_path / "ssd.prototxt"
+    model.write_text(TINY_SSD.format(source=db))
+    net = Net(str(model), phase=pb.TEST)
+    net.save(str(tmp_path / "w.caffemodel"))
+    m = DetectionMAP()
+    for _ in range(3):
+        net.forward()
+        m.add(net.blobs["detection_eval"].data)
+    assert sum(m.num_pos.values()) == 12 and m.dets          # 3 batches of 4 images, 1 box each
+    with caplog.at_level(logging.INFO, logger="brewnet"):
+        assert cli.main(["test", "--model", str(model), "--weights", str(tmp_path / "w.caffemodel"),
+                         "--iterations", "3", "--ap-version", version, "--per-class"]) == 0
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("detection_eval = ")]
+    assert line == [f"detection_eval = {m.mean_ap(version):g} (mAP, {version}, 12 ground-truth boxes)"]
+    assert not any("Batch 0, detection_eval" in r.getMessage() for r in caplog.records)
