@@ -342,13 +342,16 @@ layer {{ name: "f" type: "Convolution" bottom: "data" top: "f"
   convolution_param {{ num_output: 8 kernel_size: 8 stride: 8 weight_filler {{ type: "xavier" }} }} }}
 layer {{ name: "loc" type: "Convolution" bottom: "f" top: "loc"
   convolution_param {{ num_output: 4 kernel_size: 1 weight_filler {{ type: "gaussian" std: 0.1 }} }} }}
-layer {{ name: "loc_p" type: "Permute" bottom: "loc" top: "loc_p" permute_param {{ order: 0 order: 2 order: 3 order: 1 }} }}
+layer {{ name: "loc_p" type: "Permute" bottom: "loc" top: "loc_p"
+  permute_param {{ order: 0 order: 2 order: 3 order: 1 }} }}
 layer {{ name: "loc_f" type: "Flatten" bottom: "loc_p" top: "loc_f" }}
 layer {{ name: "conf" type: "Convolution" bottom: "f" top: "conf"
   convolution_param {{ num_output: 3 kernel_size: 1 weight_filler {{ type: "gaussian" std: 1 }} }} }}
-layer {{ name: "conf_p" type: "Permute" bottom: "conf" top: "conf_p" permute_param {{ order: 0 order: 2 order: 3 order: 1 }} }}
+layer {{ name: "conf_p" type: "Permute" bottom: "conf" top: "conf_p"
+  permute_param {{ order: 0 order: 2 order: 3 order: 1 }} }}
 layer {{ name: "conf_f" type: "Flatten" bottom: "conf_p" top: "conf_f" }}
-layer {{ name: "conf_r" type: "Reshape" bottom: "conf_f" top: "conf_r" reshape_param {{ shape {{ dim: 0 dim: -1 dim: 3 }} }} }}
+layer {{ name: "conf_r" type: "Reshape" bottom: "conf_f" top: "conf_r"
+  reshape_param {{ shape {{ dim: 0 dim: -1 dim: 3 }} }} }}
 layer {{ name: "conf_s" type: "Softmax" bottom: "conf_r" top: "conf_s" softmax_param {{ axis: 2 }} }}
 layer {{ name: "conf_sf" type: "Flatten" bottom: "conf_s" top: "conf_sf" }}
 layer {{ name: "prior" type: "PriorBox" bottom: "f" bottom: "data" top: "prior"
