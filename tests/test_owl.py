@@ -402,3 +402,44 @@ def test_owls_net_structure_and_passes(trained):
     ip1, relu1 = (net.get_units_by_name(n)[0].out.to_numpy() for n in ("ip1", "relu1"))
     assert (ip1 < 0).any() and np.array_equal(np.maximum(ip1, 0), relu1)
     assert net.get_units_by_name("loss")[0].getloss() > 0
+
+
+def _caffe_to_owl(model: Path, state: Path, folder: Path) -> None:
+    """Minerva's scripts/modelconvertor/caffe2minerva.py (CaffeModelLoader) layout: filters turned
+    by 180 degrees, InnerProduct weights transposed; the momentum as owl's delta (-history)."""
+    folder.mkdir(parents=True)
+    net = read_binary(str(model), pb.NetParameter())
+    history = iter(read_binary(str(state), pb.SolverState()).history)
+    for l in net.layer:
+        for blob, kind in zip(l.blobs, ("weights", "bias")):
+            for name, values in ((kind, np.array(blob.data, np.float32)),
+                                 (kind + "delta", -np.array(next(history).data, np.float32))):
+                shape = tuple(blob.shape.dim)
+                if kind == "weights" and l.type == "Convolution":
+                    values = np.array([[np.rot90(f, 2) for f in o] for o in values.reshape(shape)])
+                elif kind == "weights":
+                    values = values.reshape(shape).T
+                values.astype(np.float32).tofile(folder / f"{l.name}_{name}.dat")
+
+
+def test_owls_own_snapshot_folders_load(trained, tmp_path, capsys):
+    """A model saved by owl (snapshot<k>/<layer>_weights.dat...) tests as the caffemodel it was
+    converted from, and NetTrainer resumes with owl's momentum as Caffe's SGD history."""
+    d, _, _ = trained
+    _caffe_to_owl(d / "lenet_iter_30.caffemodel", d / "lenet_iter_30.solverstate", tmp_path / "models" / "snapshot3")
+    s = solver(tmp_path, d / "lenet.prototxt", "models")        # owl's snapshot_prefix: a folder
+    tester = owl_tools.NetTester(s, "loss", "accuracy", 3)
+    tester.build_net()
+    caffe = owl_tools.NetTester(solver(tmp_path, d / "lenet.prototxt", str(d / "lenet"), name="c"),
+                                "loss", "accuracy", 3)
+    caffe.build_net()
+    assert tester.run(False) == caffe.run(False)
+    t = owl_tools.NetTrainer(s, 3)
+    t.build_net()
+    state = read_binary(str(d / "lenet_iter_30.solverstate"), pb.SolverState())
+    s_ = t.owl_net.trainer_solver
+    assert s_.iter == 30
+    for h, want in zip(s_.history, state.history):
+        assert np.array_equal(h.numpy().reshape(-1), np.array(want.data, np.float32))
+    got = {(l.name, i): b.detach().numpy().reshape(-1) for l in s_.net.layer_list for i, b in enumerate(l.blobs)}
+    assert max_diff(got, weights(d / "lenet_iter_30.caffemodel")) == 0

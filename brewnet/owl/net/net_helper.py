@@ -5,7 +5,8 @@ Snapshots are brewnet's (Caffe's files); owl's snapshot *index* picks one: index
 ``snapshot_format: HDF5``) and its ``.solverstate``, so index 0 is the start and training
 resumes at iteration k x snapshot, as owl's ``NetTrainer`` does. A missing snapshot leaves the
 filler values, with owl's "Weight Need Reinit <layer>" line per layer; so does a layer whose
-shape differs from the snapshot's (owl's finetuning: rename nothing, change num_output).
+shape differs from the snapshot's (owl's finetuning: rename nothing, change num_output). Where
+there is no such file, owl's own folder ``<snapshot_prefix>/snapshot<k>/`` is read (``snapshots``).
 
 owl's stacked layers: an in-place layer (bottom == top, e.g. ``relu1`` on ``ip1``) got a top of
 its own named after the layer; ``owl_param`` does the same to the definition (the numbers are
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from ...proto import caffe_pb2 as pb
 from .net import DATA_TYPES, Net, make_unit
+from .snapshots import load_owl_folder
 
 log = logging.getLogger("brewnet")
 BATCH_FIELDS = ("data_param", "image_data_param", "window_data_param", "hdf5_data_param",
@@ -80,6 +83,11 @@ class CaffeNetBuilder:
             raise ValueError(f"{solver_file}: owl's tools read the solver's 'net' (or net_param); "
                              "this solver gives train_net/test_net instead")
         self.snapshot_dir = p.snapshot_prefix
+        self.owl_dir = self.snapshot_dir          # owl's prefix, a folder of snapshot<k>/
+        if self.solver_path is not None:
+            from ...proto.io import read_solver
+
+            self.owl_dir = read_solver(self.solver_path).snapshot_prefix or self.snapshot_dir
         log.info("Snapshot Dir: %s", self.snapshot_dir)
 
     def change_net(self, net_file) -> None:
@@ -155,10 +163,16 @@ class CaffeNetBuilder:
                 return it
             except ValueError as e:       # another net's shapes: owl finetunes from what fits
                 log.warning("%s; loading the weights that fit, with fresh history", e)
+        cores = [owl_net._cores[k] for k in owl_net.phases_built]
+        folder = Path(self.owl_dir if weightpath == self.snapshot_dir else weightpath) / f"snapshot{snapshotidx}"
         if os.path.exists(model):
             log.info("Loading snapshot %d: %s", snapshotidx, model)
-            for core in [owl_net._cores[k] for k in owl_net.phases_built]:
+            for core in cores:
                 reinit = load_weights(core, model, require_match=True, reinit_mismatched=True)
+        elif folder.is_dir():
+            log.info("Loading owl's snapshot %d: %s", snapshotidx, folder)
+            for core in cores:
+                reinit = load_owl_folder(folder, core, solver if core is getattr(solver, "net", None) else None)
         else:
             if snapshotidx:
                 log.warning("No snapshot %d (%s): the weights keep their filler values", snapshotidx, model)
