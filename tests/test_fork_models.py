@@ -1,0 +1,195 @@
+"""Real fork nets (tests/data/forks, see PROVENANCE.md) build with the forks' shapes and run, and
+caffemodels cross between brewnet's schema and a fork's own (PSPNet's caffe.proto, compiled here
+from the vendored excerpt): the fork reads brewnet's weights with its blob shapes (BN as
+(1, C, 1, 1)), and a file the fork wrote loads in brewnet with the same outputs."""
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+import brewnet as caffe
+from brewnet.proto import caffe_pb2 as pb, read_net
+from tests.helpers import VENDORED
+
+FORKS = VENDORED / "forks"
+F32 = np.float32
+
+
+def subnet(net, inputs: dict, start: str, stop: str | None = None) -> str:
+    """The layers of fork net ``net`` (a NetParameter) from layer ``start`` up to layer ``stop``
+    that are computable from ``inputs`` (blob -> shape), fed by Input layers."""
+    out = pb.NetParameter(name=net.name)
+    for name, shape in inputs.items():
+        lp = out.layer.add(name=name, type="Input", top=[name])
+        lp.input_param.shape.add().dim.extend(shape)
+    have = set(inputs)
+    names = [lp.name for lp in net.layer]
+    for lp in net.layer[names.index(start):]:
+        if lp.name == stop:
+            break
+        if lp.type != "Input" and lp.bottom and set(lp.bottom) <= have:
+            out.layer.append(lp)
+            have.update(lp.top)
+    return text_format.MessageToString(out)
+
+
+def fill(net, rng, scale=0.1):
+    """Random params; BatchNorm/BN statistics that keep activations in range."""
+    for name, blobs in net.params.items():
+        kind = net.layer_dict[name].type
+        for i, b in enumerate(blobs):
+            v = rng.standard_normal(b.data.shape) * scale
+            if kind == "BatchNorm":
+                v = [np.zeros, lambda s: np.ones(s), lambda s: np.ones(s)][i](b.data.shape)
+            elif kind == "BN" and i == 3:
+                v = np.abs(v) + 1
+            elif kind == "BN" and i == 0:
+                v = v + 1
+            b.data[...] = v
+
+
+def test_faster_rcnn_zf_runs_its_python_proposal_on_the_builtin():
+    net = caffe.Net(str(FORKS / "faster_rcnn_zf_test.prototxt"), caffe.TEST)
+    rng = np.random.default_rng(0)
+    fill(net, rng, 0.01)
+    assert net.layer_dict["proposal"].type == "Python"
+    net.blobs["data"].reshape(1, 3, 160, 160)   # a smaller image than the prototxt's, for speed
+    net.forward(data=(rng.standard_normal((1, 3, 160, 160)) * 50).astype(F32),
+                im_info=np.array([[160, 160, 1]], F32))
+    rois = net.blobs["rois"].data
+    r = len(rois)
+    assert 1 < r <= 300 and (rois[:, 0] == 0).all()                          # TEST's post-NMS top-N
+    assert (rois[:, 1:] >= 0).all() and (rois[:, 1:] <= 159).all()         # clipped to the image
+    assert ((rois[:, 3] - rois[:, 1] + 1 >= 16) & (rois[:, 4] - rois[:, 2] + 1 >= 16)).all()
+    assert net.blobs["roi_pool_conv5"].data.shape == (r, 256, 6, 6)
+    assert net.blobs["cls_prob"].data.shape == (r, 21)
+    np.testing.assert_allclose(net.blobs["cls_prob"].data.sum(1), 1, rtol=1e-5)
+    assert net.blobs["bbox_pred"].data.shape == (r, 84)
+    drop6 = next(lp for lp in read_net(str(FORKS / "faster_rcnn_zf_test.prototxt")).layer if lp.name == "drop6")
+    assert drop6.dropout_param.scale_train is False   # parsed; its TEST scaling: test_layers_rcnn
+
+
+def test_yolov2_darknet19_passthrough_with_reorg_matches_opencv(tmp_path):
+    cv2 = pytest.importorskip("cv2")
+    # The real prototxt's layers from conv13 and conv20 on (the passthrough: Concat, conv21,
+    # Reorg, Concat, conv22, conv23) at an 8x8 / 4x4 grid; its YoloDetectionOutput head (a
+    # MobileNet-YOLO type brewnet does not have) left off. The backbone is plain Caffe.
+    src = (FORKS / "yolov2_darknet19_deploy.prototxt").read_text()
+    head = read_net(src[: src.rindex("layer {", 0, src.index('type: "YoloDetectionOutput"'))])
+    text = subnet(head, {"conv13": (1, 512, 8, 8), "conv20": (1, 1024, 4, 4)}, "concat1")
+    net = caffe.Net(text, caffe.TEST)
+    assert "Reorg" in {l.type for l in net.layer_list}
+    assert net.blobs["reorg1"].data.shape == (1, 256, 4, 4)
+    rng = np.random.default_rng(1)
+    fill(net, rng, 0.02)
+    x = {"conv13": rng.standard_normal((1, 512, 8, 8)).astype(F32),
+         "conv20": rng.standard_normal((1, 1024, 4, 4)).astype(F32)}
+    net.forward(**x)
+    last = read_net(text).layer[-1]
+    (tmp_path / "y.prototxt").write_text(text)
+    net.save(str(tmp_path / "y.caffemodel"))
+    cv = cv2.dnn.readNetFromCaffe(str(tmp_path / "y.prototxt"), str(tmp_path / "y.caffemodel"))
+    for k, v in x.items():
+        cv.setInput(v, k)
+    theirs = cv.forward(last.name)
+    ours = net.blobs[last.top[0]].data
+    assert ours.shape == theirs.shape == (1, 125, 4, 4)
+    # sums of ~10^4 products in another order, over a few layers: test_opencv_oracle's ATOL_MODEL
+    assert np.abs(ours - theirs).max() <= 2e-4 * max(1, np.abs(theirs).max())
+
+
+def test_pspnet_pyramid_head_builds_with_the_forks_shapes_and_runs():
+    # PSPNet50's layers from conv5_3_pool1 up to its concat (the pyramid pooling module:
+    # Pooling, Convolution, BN, ReLU, Interp), on conv5_3's real shape.
+    text = subnet(read_net(str(FORKS / "pspnet50_ADE20K_473.prototxt")), {"conv5_3": (1, 2048, 60, 60)},
+                  "conv5_3_pool1", "conv5_4")
+    net = caffe.Net(text, caffe.TEST)
+    kinds = {l.type for l in net.layer_list}
+    assert {"BN", "Interp", "Pooling", "Concat"} <= kinds
+    assert [tuple(b.data.shape) for b in net.params["conv5_3_pool1_conv/bn"]] == [(1, 512, 1, 1)] * 4
+    for k in (1, 2, 3, 6):
+        assert net.blobs[f"conv5_3_pool{k}"].data.shape == (1, 2048, k, k)
+        assert net.blobs[f"conv5_3_pool{k}_interp"].data.shape == (1, 512, 60, 60)
+    assert net.blobs["conv5_3_concat"].data.shape == (1, 4096, 60, 60)
+    rng = np.random.default_rng(2)
+    fill(net, rng)
+    x = rng.standard_normal((1, 2048, 60, 60)).astype(F32)
+    net.forward(conv5_3=x)
+    out = net.blobs["conv5_3_concat"].data
+    np.testing.assert_array_equal(out[:, :2048], x)                 # the concat keeps conv5_3
+    # the 1x1 pyramid level, interpolated from one cell, is constant over the map
+    one = net.blobs["conv5_3_pool1_interp"].data
+    np.testing.assert_allclose(one, np.broadcast_to(one[:, :, :1, :1], one.shape), rtol=1e-6)
+
+
+# -- caffemodels in PSPNet's own schema ------------------------------------------------------
+@pytest.fixture(scope="module")
+def pspnet_pb2(tmp_path_factory):
+    pytest.importorskip("grpc_tools")
+    out = tmp_path_factory.mktemp("pspnet_proto")
+    (out / "pspnet_caffe.proto").write_text((FORKS / "pspnet_caffe_excerpt.proto").read_text())
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{out}", f"--python_out={out}",
+                    str(out / "pspnet_caffe.proto")], check=True)
+    sys.path.insert(0, str(out))
+    try:
+        yield importlib.import_module("pspnet_caffe_pb2")
+    finally:
+        sys.path.remove(str(out))
+
+
+PSP_NET = """name: "psp"
+layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 dim: 5 dim: 7 } } }
+layer { name: "conv" type: "Convolution" bottom: "x" top: "c" convolution_param { num_output: 4 kernel_size: 3 } }
+layer { name: "conv/bn" type: "BN" bottom: "c" top: "c" bn_param { slope_filler { type: "constant" value: 1 }
+        bias_filler { type: "constant" value: 0 } frozen: true } }
+layer { name: "up" type: "Interp" bottom: "c" top: "up" interp_param { zoom_factor: 3 } }
+"""
+
+
+def test_brewnet_weights_read_in_pspnets_schema(pspnet_pb2, tmp_path):
+    net = caffe.Net(PSP_NET, caffe.TEST)
+    fill(net, np.random.default_rng(3))
+    net.save(str(tmp_path / "b.caffemodel"))
+    theirs = pspnet_pb2.NetParameter.FromString((tmp_path / "b.caffemodel").read_bytes())
+    by = {l.name: l for l in theirs.layer}
+    bn = by["conv/bn"]
+    assert [tuple(b.shape.dim) for b in bn.blobs] == [(1, 4, 1, 1)] * 4
+    for b, ours in zip(bn.blobs, net.params["conv/bn"]):
+        np.testing.assert_array_equal(np.asarray(b.data, F32).reshape(1, 4, 1, 1), ours.data)
+    assert [tuple(b.shape.dim) for b in by["conv"].blobs] == [(4, 3, 3, 3), (4,)]
+
+
+def test_a_pspnet_schema_caffemodel_loads_with_the_same_outputs(pspnet_pb2, tmp_path):
+    rng = np.random.default_rng(4)
+    ref = caffe.Net(PSP_NET, caffe.TEST)
+    fill(ref, rng)
+    x = rng.standard_normal((2, 3, 5, 7)).astype(F32)
+    ref.forward(x=x)
+    # PSPNet's own file: its field numbers (interp_param 143, bn_param 152), legacy 4-D blob shapes
+    fork = pspnet_pb2.NetParameter(name="psp")
+    spec = read_net(PSP_NET)
+    for lp in spec.layer[1:]:
+        l = fork.layer.add(name=lp.name, type=lp.type, bottom=lp.bottom, top=lp.top)
+        if lp.type == "Interp":
+            l.interp_param.zoom_factor = 3
+        if lp.type == "BN":
+            l.bn_param.frozen = True
+        for p in ref.params.get(lp.name, []):
+            b = l.blobs.add()
+            b.shape.dim.extend(p.data.shape)
+            b.data.extend(p.data.reshape(-1).tolist())
+    path = tmp_path / "fork.caffemodel"
+    path.write_bytes(fork.SerializeToString())
+    net = caffe.Net(PSP_NET, caffe.TEST)
+    net.copy_from(str(path))
+    net.forward(x=x)
+    np.testing.assert_array_equal(net.blobs["up"].data, ref.blobs["up"].data)
+    # read as a net, the fork's numbers come back as brewnet's fields
+    read = {l.name: l for l in read_net(str(path)).layer}
+    assert read["up"].interp_param.zoom_factor == 3 and not read["up"].HasField("input_param")
+    assert read["conv/bn"].bn_param.frozen
