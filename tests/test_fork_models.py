@@ -13,7 +13,8 @@ import pytest
 from google.protobuf import text_format
 
 import brewnet as caffe
-from brewnet.proto import caffe_pb2 as pb, read_net
+from brewnet.proto import caffe_pb2 as pb
+from brewnet.proto import read_net
 from tests.helpers import VENDORED
 
 FORKS = VENDORED / "forks"

@@ -8,24 +8,33 @@ import pytest
 from google.protobuf import text_format
 
 from brewnet.cli import main as cli_main
-from brewnet.proto import ProtoError, caffe_pb2 as pb, read_net, upgrade_net
+from brewnet.proto import ProtoError, read_net, upgrade_net
+from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import _varint
 
 FORK_TEXT = """
 name: "forks"
-layer { name: "d" type: "Dropout" bottom: "x" top: "x" dropout_param { dropout_ratio: 0.3 scale_train: false } }
-layer { name: "r" type: "ROIPooling" bottom: "x" bottom: "rois" top: "p" roi_pooling_param { pooled_h: 7 pooled_w: 6 spatial_scale: 0.0625 } }
-layer { name: "ps" type: "PSROIPooling" bottom: "x" bottom: "rois" top: "q" psroi_pooling_param { spatial_scale: 0.0625 output_dim: 21 group_size: 7 } }
+layer { name: "d" type: "Dropout" bottom: "x" top: "x"
+  dropout_param { dropout_ratio: 0.3 scale_train: false } }
+layer { name: "r" type: "ROIPooling" bottom: "x" bottom: "rois" top: "p"
+  roi_pooling_param { pooled_h: 7 pooled_w: 6 spatial_scale: 0.0625 } }
+layer { name: "ps" type: "PSROIPooling" bottom: "x" bottom: "rois" top: "q"
+  psroi_pooling_param { spatial_scale: 0.0625 output_dim: 21 group_size: 7 } }
 layer { name: "s" type: "SmoothL1Loss" bottom: "a" bottom: "b" top: "l" smooth_l1_loss_param { sigma: 3 } }
-layer { name: "pr" type: "Proposal" bottom: "c" bottom: "d" bottom: "im" top: "rois" proposal_param { feat_stride: 16 scale: 4 scale: 8 ratio: 1 } }
+layer { name: "pr" type: "Proposal" bottom: "c" bottom: "d" bottom: "im" top: "rois"
+  proposal_param { feat_stride: 16 scale: 4 scale: 8 ratio: 1 } }
 layer { name: "i" type: "Interp" bottom: "x" top: "y" interp_param { zoom_factor: 8 pad_beg: 0 pad_end: 0 } }
-layer { name: "u" type: "Upsample" bottom: "x" bottom: "m" top: "z" upsample_param { scale: 2 upsample_h: 45 upsample_w: 60 } }
-layer { name: "bn1" type: "BN" bottom: "x" top: "x" bn_param { slope_filler { type: "constant" value: 1 } momentum: 0.95 frozen: true } }
-layer { name: "bn2" type: "BN" bottom: "x" top: "x" bn_param { scale_filler { type: "constant" value: 1 } bn_mode: INFERENCE } }
+layer { name: "u" type: "Upsample" bottom: "x" bottom: "m" top: "z"
+  upsample_param { scale: 2 upsample_h: 45 upsample_w: 60 } }
+layer { name: "bn1" type: "BN" bottom: "x" top: "x"
+  bn_param { slope_filler { type: "constant" value: 1 } momentum: 0.95 frozen: true } }
+layer { name: "bn2" type: "BN" bottom: "x" top: "x"
+  bn_param { scale_filler { type: "constant" value: 1 } bn_mode: INFERENCE } }
 layer { name: "sh" type: "ShuffleChannel" bottom: "x" top: "x" shuffle_channel_param { group: 3 } }
 layer { name: "ro" type: "Reorg" bottom: "x" top: "o" reorg_param { stride: 2 } }
 layer { name: "r6" type: "ReLU6" bottom: "x" top: "x" relu6_param { negative_slope: 0.1 } }
-layer { name: "rg" type: "Region" bottom: "o" top: "det" region_param { classes: 20 num: 5 anchors: 1.08 anchors: 1.19 } }
+layer { name: "rg" type: "Region" bottom: "o" top: "det"
+  region_param { classes: 20 num: 5 anchors: 1.08 anchors: 1.19 } }
 """
 
 
