@@ -8,13 +8,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 from google.protobuf import text_format
-from google.protobuf.message import DecodeError
 
 from ..layers.registry import register
 from ..proto import caffe_pb2 as pb
 from . import augment as A
 from .boxes import Annos, batch_samples, transform_annos
-from .db import DBError, _show, open_db
+from .db import DBError, _show, open_db, parse_record
 from .layers import _DatumLoader
 from .source import Prefetching, check_batch, layer_error
 from .transform import DataTransformer, TransformError, datum_to_chw
@@ -47,12 +46,7 @@ def read_label_map(path) -> "pb.LabelMap":
 
 def decode_annotated(value: bytes, key=b"", source="") -> "pb.AnnotatedDatum":
     """Parse a serialized AnnotatedDatum; a corrupt record raises DBError naming key and source."""
-    ad = pb.AnnotatedDatum()
-    try:
-        ad.ParseFromString(value)
-    except DecodeError as e:
-        raise DBError(f"{source}: record {_show(key)} is not a valid AnnotatedDatum "
-                      f"({len(value)} bytes): {e}") from None
+    ad = parse_record(pb.AnnotatedDatum(), value, key, source)
     if not ad.HasField("datum"):
         raise DBError(f"{source}: record {_show(key)} holds no datum (is this an AnnotatedDatum "
                       "database? create it with 'brewnet create-annoset')")

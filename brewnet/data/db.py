@@ -86,14 +86,19 @@ def open_writer(path, backend="lmdb") -> "LMDBWriter | LevelDBWriter":
     return LMDBWriter(path) if name == "lmdb" else LevelDBWriter(path)
 
 
+def parse_record(message, value: bytes, key=b"", source=""):
+    """``message`` parsed from a record; a corrupt one raises DBError naming key and source."""
+    try:
+        message.ParseFromString(value)
+    except DecodeError as e:
+        raise DBError(f"{source}: record {_show(key)} is not a valid {type(message).__name__} "
+                      f"({len(value)} bytes): {e}") from None
+    return message
+
+
 def decode_datum(value: bytes, key=b"", source="") -> "pb.Datum":
     """Parse a serialized Datum; a corrupt record raises DBError naming key and source."""
-    datum = pb.Datum()
-    try:
-        datum.ParseFromString(value)
-    except DecodeError as e:
-        raise DBError(f"{source}: record {_show(key)} is not a valid Datum ({len(value)} bytes): "
-                      f"{e}") from None
+    datum = parse_record(pb.Datum(), value, key, source)
     if not datum.encoded:
         need = datum.channels * datum.height * datum.width
         have = len(datum.data) or len(datum.float_data)
