@@ -341,20 +341,24 @@ class Permute(Layer):
         return [bottoms[0].permute(self.order).contiguous()]
 
 
-@register("ShuffleChannel")
-class ShuffleChannel(Layer):
-    """ShuffleNet's channel shuffle: the channels seen as a (group, C / group) grid are read out
-    by column, so output channel j * group + i is input channel i * (C / group) + j.
-
-    Bottom (N, C, ...) -> top of the same shape. Params: shuffle_channel_param.group (> 0, divides
-    C). Gradient: the inverse shuffle.
-    """
+class Rearrange(Layer):
+    """Base of layers that move each value of one bottom to one place of one top (no arithmetic)."""
 
     exact_bottoms = 1
     exact_tops = 1
     in_place_ok = False
     routing = True
     arithmetic = "elementwise"
+
+
+@register("ShuffleChannel")
+class ShuffleChannel(Rearrange):
+    """ShuffleNet's channel shuffle: the channels seen as a (group, C / group) grid are read out
+    by column, so output channel j * group + i is input channel i * (C / group) + j.
+
+    Bottom (N, C, ...) -> top of the same shape. Params: shuffle_channel_param.group (> 0, divides
+    C). Gradient: the inverse shuffle.
+    """
 
     def setup(self, bottom_shapes):
         self.group = self.param.shuffle_channel_param.group

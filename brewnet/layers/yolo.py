@@ -6,23 +6,20 @@ import torch
 
 from .base import Layer
 from .registry import register
+from .shape import Rearrange
 
 
 @register("Reorg")
-class Reorg(Layer):
+class Reorg(Rearrange):
     """Darknet's reorg: stride x stride blocks of space moved into channels.
 
     Bottom (N, C, H, W) -> top (N, C s^2, H / s, W / s) (``reverse``: (N, C / s^2, H s, W s)).
-    Darknet's index rule (not a plain space-to-depth): the bottom's memory read as
-    (N, C / s^2, H s', W s') ... see ``forward``. Params: reorg_param.stride (required), reverse.
+    Darknet's index rule, not a plain space-to-depth: in an (N, C, H, W) layout, channel
+    (dy s + dx) C / s^2 + c at (i, j) takes the bottom's memory read as (N, C / s^2, H s, W s)
+    at (c, i s + dy, j s + dx); that memory is the top, (N, C s^2, H / s, W / s).
+    Params: reorg_param.stride (required), reverse.
     Gradient: the inverse permutation (the port's own backward reads an unset buffer).
     """
-
-    exact_bottoms = 1
-    exact_tops = 1
-    in_place_ok = False
-    routing = True
-    arithmetic = "elementwise"
 
     def setup(self, bottom_shapes):
         p = self.param.reorg_param
