@@ -211,6 +211,7 @@ class Net:
         self.builder = None
         self._cores: dict[str, object] = {}
         self._views: dict = {}
+        self._units_cache: dict[int, tuple] = {}    # id(core net) -> (it, its units)
         self.last_phase = None
 
     # -- the graph (owl's API) ---------------------------------------------------------------
@@ -258,10 +259,13 @@ class Net:
         core = self._cores.get("TEST" if phase == "MULTI_VIEW" else phase)
         if core is None:
             return []
-        names = {l.name for l in core.param.layer}
-        kinds = {(l.name, l.type) for l in core.param.layer}
-        return [u for u in self.units if u.name in names and (u.name, u.params.type) in kinds
-                and _same_phase(u.params, core.phase)]
+        held, units = self._units_cache.get(id(core), (None, None))
+        if held is not core:
+            kinds = {(l.name, l.type) for l in core.param.layer}
+            units = [u for u in self.units
+                     if (u.name, u.params.type) in kinds and _same_phase(u.params, core.phase)]
+            self._units_cache[id(core)] = (core, units)
+        return units
 
     def core(self, phase: str = "TRAIN"):
         """The core ``brewnet.net.Net`` behind ``phase``."""
