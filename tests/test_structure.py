@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "brewnet"
-# What sits on top of the core: pycaffe's surface, the commands and the analysis helpers.
-SHELLS = ("brewnet.pycaffe", "brewnet.tools", "brewnet.cli", "brewnet.__main__", "brewnet.analysis")
+# What sits on top of the core: pycaffe's and owl's surfaces, the commands and the analysis helpers.
+SHELLS = ("brewnet.pycaffe", "brewnet.owl", "brewnet.tools", "brewnet.cli", "brewnet.__main__",
+          "brewnet.analysis")
 
 
 def module_name(path: Path) -> str:
