@@ -176,7 +176,7 @@ class CaffeNetBuilder:
         else:
             if snapshotidx:
                 log.warning("No snapshot %d (%s): the weights keep their filler values", snapshotidx, model)
-            reinit = _layers_with_params(owl_net)
+            reinit = [] if self.solverconfig.weights else _layers_with_params(owl_net)
         for name in reinit:
             log.info("Weight Need Reinit %s", name)
         if solver is not None:
