@@ -136,13 +136,15 @@ def counts() -> tuple[int, ...]:
     one, the cores, the CLI's ceiling, a half, third and quarter of the cores
     (``TrainTogether``'s worker threads) and a count the user fixed; so a run with the count
     fixed chooses the kernels a default run chooses. A process forked after brewnet was
-    imported checks only one and its own count: growing the parent's OpenMP pool there hangs."""
+    imported checks only one, the count it runs and the user's: growing the parent's OpenMP
+    pool there hangs."""
     got = _counts.get(os.getpid())
     if got is None:
         fixed = threads.user_threads()
         c = max(1, threads.usable_cores())
-        if os.getpid() != _IMPORT_PID:    # forked after import: the parent's OpenMP pool
-            got = tuple(sorted({1, fixed or 1}))       # is not ours to grow (it would hang)
+        if os.getpid() != _IMPORT_PID:    # forked after import: the parent's OpenMP pool is
+            # not ours to grow (it would hang); the count this process already runs is its own.
+            got = tuple(sorted({1, fixed or 1, torch.get_num_threads()}))
         else:   # the user's count too, so BREWNET_THREADS=1 and =2 choose the same kernels
             got = tuple(sorted({1, c, threads.ceiling(), fixed or 1,
                                 *(max(1, c // n) for n in (2, 3, 4))}))

@@ -289,18 +289,16 @@ def test_train_py_timing(caffe_root, lenet_run, tmp_path):
         assert re.search(rf"forw +{i} +{name} : \d+\.\d\d", log), name
         assert re.search(rf"back +{i} +{name} : \d+\.\d\d", log), name
     assert len(re.findall(r"solver total: \d+\.\d\d", log)) == 4      # iterations 0, 5, 10, 15
-    # train.py's solver runs in a worker forked after import, which can probe fewer thread
-    # counts for its convolution kernels than `brewnet train` (brewnet/determinism.py): each
-    # is repeatable, but the two may pick different kernels, and 20 momentum steps on random
-    # labels grow their last-bit differences (measured: up to 9e-5). Same kernels: same bits.
-    for k in pa:
-        np.testing.assert_allclose(pa[k], pb[k], rtol=0, atol=1e-3, err_msg=k)
+    # train.py's solver runs in a worker forked after import, which checks its convolution
+    # kernels on 1 and its own thread count only (brewnet/determinism.py): on up to 2 cores that
+    # is every count `brewnet train` checks, so both pick the same kernels and give the same bits.
+    from brewnet.threads import usable_cores
 
-
-def test_train_py_equals_brewnet_train_with_one_kernel_choice(caffe_root, lenet_run, tmp_path):
-    _, pa, pb = train_both(caffe_root, lenet_run, tmp_path, env=dict(ENV, BREWNET_DETERMINISTIC="1"))
     for k in pa:
-        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+        if usable_cores() <= 2:
+            np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+        else:     # different kernels may be picked; 20 momentum steps grow last-bit differences
+            np.testing.assert_allclose(pa[k], pb[k], rtol=0, atol=1e-3, err_msg=k)
 
 
 def python2() -> str | None:
