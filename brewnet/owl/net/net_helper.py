@@ -128,14 +128,18 @@ class CaffeNetBuilder:
 
     def core_net(self, owl_net: Net, phase: str):
         """A core net of ``owl_net``'s definition for ``phase`` ('TRAIN' or 'TEST') on owl's
-        current device, its fillers seeded by the solver's random_seed as a Solver's are."""
+        current device, its fillers seeded by the solver's random_seed and its ``weights``
+        loaded, as a Solver's are."""
         from ... import owl, runtime
         from ...net import Net as CoreNet
 
         if self.solverconfig.random_seed >= 0:
             runtime.set_random_seed(self.solverconfig.random_seed)
-        return CoreNet(owl_net.param, pb.TRAIN if phase == "TRAIN" else pb.TEST,
-                       device=owl.current_device())
+        net = CoreNet(owl_net.param, pb.TRAIN if phase == "TRAIN" else pb.TEST, device=owl.current_device())
+        for w in self.solverconfig.weights:      # the solver's own weights, as a Solver loads them
+            for path in w.split(","):
+                net.copy_from(path)
+        return net
 
     # -- snapshots ---------------------------------------------------------------------------
     def snapshot_files(self, weightpath: str, index: int) -> tuple[int, str, str]:
