@@ -26,6 +26,11 @@ bit for bit (open_nsfw at batch 1 and 16, measured); a re-chosen kernel sums in 
 so outputs agree with the plain path within ``1e-5`` of their largest magnitude
 (tests/test_lean.py, on LeNet, CIFAR-10 and open_nsfw; measured ~2e-6 on LeNet at batch 1).
 
+On CUDA the recorded graph (no kernel re-chosen there) is captured once more as a CUDA graph
+(``solvers/cuda_graph.CapturedGraph``: static input buffers, one launch a forward) and checked at
+capture: its first replay must give the recorded graph's bits, else the net stays plain. The
+capture is keyed on the addresses of the tensors the graph reads, so surgery re-captures.
+
 On by default; ``BREWNET_LEAN=0`` keeps every forward on the plain path. Measured through
 ``Net.forward`` on one thread, interleaved with the plain path in one process (a loaded 2-core
 machine): LeNet at batch 1 ~0.64x the plain path's time, batch 16 ~0.92x; open_nsfw at batch 1
@@ -48,6 +53,7 @@ from .errors import NetError
 from .graph_record import unbox
 from .net import _nhwc
 from .runtime import env_switch
+from .solvers.cuda_graph import device_refusal
 
 log = logging.getLogger("brewnet")
 AFTER = 10      # whole forwards with the same input shapes before the net is traced
@@ -167,6 +173,7 @@ class LeanForward:
         self.traces = 0                            # traces attempted (each a one-off cost)
         self._cl = net._channels_last              # the plain path's NHWC activations
         self._saved: list[torch.Tensor] = []       # the inputs the graph last ran on
+        self.captured, self._addresses = None, None  # CUDA: the graph captured, what it reads
         self._stale: list = []                     # intermediate blobs not written by the graph
         io = set(net.inputs) | set(net.outputs)
         self._middle = [b for n, b in net.blobs.items() if n not in io]
@@ -174,7 +181,7 @@ class LeanForward:
     def eligible(self) -> bool:
         net = self.net
         return (not self.failed and env_switch("BREWNET_LEAN", "1", ("0", "1")) == "1" and net.inputs
-                and not net._needs_backward and net.device.type == "cpu"
+                and not net._needs_backward and device_refusal(net.device) is None
                 and not any(b._viewed("data") for b in self._middle))
 
     def run(self) -> bool:
@@ -201,8 +208,9 @@ class LeanForward:
         self._bind()
         xs = [net.blobs[n].tensor.detach() for n in net.inputs]
         with torch.no_grad():
-            out = self.gm(*[_nhwc(x) if self._cl and x.dim() == 4 else x for x in xs])
-        outs = out if isinstance(out, tuple) else (out,)
+            outs = self._call([_nhwc(x) if self._cl and x.dim() == 4 else x for x in xs])
+        if outs is None:
+            return False
         for name, t in zip(net.outputs, outs):
             net.blobs[name].write(t)
         self._saved = [x.clone() for x in xs]
@@ -210,6 +218,34 @@ class LeanForward:
         for b in self._stale:
             b._pending = self.settle
         return True
+
+    def _call(self, xs) -> tuple | None:
+        """The graph's outputs on ``xs``: on the CPU by calling it; on CUDA by replaying its
+        capture (made, and checked bit for bit against a call, when what it reads moved).
+        None: the capture failed or differed; the net stays on the plain path."""
+        if self.net.device.type != "cuda":
+            out = self.gm(*xs)
+            return out if isinstance(out, tuple) else (out,)
+        from .solvers.cuda_graph import CapturedGraph
+        from .solvers.step_graph import _same
+
+        addresses = tuple(t.data_ptr() for t in (*self.gm.parameters(), *self.gm.buffers()))
+        if self.captured is None or addresses != self._addresses:
+            try:
+                self.captured = CapturedGraph(self.gm, xs)
+                out = self.gm(*xs)
+                want = out if isinstance(out, tuple) else (out,)
+                same = all(_same(a, b) for a, b in zip(self.captured(xs), want))
+            except RuntimeError as e:
+                same, want = False, str(e).splitlines()[0][:200]
+            if not same:
+                log.warning("Net '%s': the CUDA graph of repeated inference %s; the net stays "
+                            "layer by layer", self.net.name,
+                            f"failed ({want})" if isinstance(want, str) else "differs from its graph")
+                self.failed, self.captured = True, None
+                return None
+            self._addresses = addresses
+        return self.captured(xs)
 
     def settle(self) -> None:
         """Bring the stale intermediate blobs up to date: the plain forward on the saved inputs
@@ -243,10 +279,12 @@ class LeanForward:
     def _build(self) -> None:
         net = self.net
         self.traces += 1
+        self.captured = None
         t0 = time.perf_counter()
         try:
             self.gm, tracee = self._record()
-            choose_kernels(self.gm, self._cl)
+            if net.device.type == "cpu":        # CPU kernel choices (oneDNN vs im2col)
+                choose_kernels(self.gm, self._cl)
         except (NetError, RuntimeError, ValueError, TypeError, NotImplementedError) as e:
             self.failed = True
             log.info("Net '%s': repeated inference stays layer by layer (no graph: %s)", net.name,
@@ -274,7 +312,7 @@ class LeanForward:
             tracee = _Tracee(net, fold=True)
             attrs = {id(t): name for name, t in [*tracee.named_parameters(remove_duplicate=False),
                                                  *tracee.named_buffers(remove_duplicate=False)]}
-            xs = [torch.randn(net.shapes[n]) for n in net.inputs]
+            xs = [torch.randn(net.shapes[n], device=net.device) for n in net.inputs]
             xs = [_nhwc(x) if self._cl and x.dim() == 4 else x for x in xs]
             try:
                 gm = record(tracee, xs, attrs, root=tracee)

@@ -132,3 +132,35 @@ def random_digits_lmdb(path, n: int, side: int, seed: int) -> str:
                                            int(rng.integers(10))).SerializeToString())
     return str(path)
 
+
+
+# -- the device switch (tests/conftest.py) -------------------------------------------------
+ON_DEVICE = (os.environ.get("BREWNET_TEST_DEVICE", "").strip() or "cpu") == "cuda"
+DEVICE = torch.device("cuda", 0) if ON_DEVICE else torch.device("cpu")
+# The float32 tolerance a kind of comparison needs on the GPU beyond its CPU one: (rtol, atol,
+# why). TF32 is off (runtime.configure), so the rest is summation order and libm.
+DEVICE_TOLERANCES = {
+    "exact": (0.0, 0.0, "ArgMax, Accuracy, pooling masks, routing: no arithmetic"),
+    "elementwise": (2e-6, 1e-6, "CUDA's expf/tanhf/logf are within 2 ulp (CUDA C guide, "
+                    "appendix 'Mathematical functions'), glibc's within 1"),
+    "blas": (1e-4, 5e-5, "cuBLAS/cuDNN choose the algorithm (implicit GEMM, Winograd, split-K): "
+             "a sum of K products in another order and, for Winograd, a transform's rounding"),
+    "loss": (1e-5, 1e-6, "a reduction over the batch in a tree (CUDA) instead of a loop"),
+    "trajectory": (1e-4, 1e-5, "a solver run: a step's rounding differences carried by the "
+                   "following steps (as between Caffe's CPU and GPU runs)"),
+    "lean": (1e-5, 1e-6, "lean's folded BatchNorm/Scale on cuDNN (no CPU kernel choices)"),
+}
+
+
+def tol(kind: str, rtol: float, atol: float) -> dict:
+    """{rtol, atol} for an assert_allclose: the CPU's own, widened to the device's for ``kind``
+    (DEVICE_TOLERANCES) under the device switch."""
+    if not ON_DEVICE:
+        return dict(rtol=rtol, atol=atol)
+    d_rtol, d_atol, _ = DEVICE_TOLERANCES[kind]
+    return dict(rtol=max(rtol, d_rtol), atol=max(atol, d_atol))
+
+
+def host(t):
+    """A tensor (any device) as a numpy array; numpy arrays pass through."""
+    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t

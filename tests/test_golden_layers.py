@@ -21,20 +21,22 @@ from brewnet import Net
 from brewnet.layers import LAYERS as LAYER_TYPES
 from brewnet.proto import caffe_pb2 as pb
 from helpers import GOLDEN_LAYERS as LAYERS
+from helpers import tol
 
 INDEX = json.loads((LAYERS / "index.json").read_text())
 CASES = INDEX["cases"]
 
 def tolerances(layer_type: str, what: str) -> dict:
-    """From what the layer declares of its arithmetic (``Layer.arithmetic``, ``routing``)."""
+    """From what the layer declares of its arithmetic (``Layer.arithmetic``, ``routing``).
+    Under the device switch each is widened to its kind's (helpers.DEVICE_TOLERANCES)."""
     cls = LAYER_TYPES[layer_type]
     if cls.arithmetic == "exact":
-        return dict(rtol=0, atol=0)
+        return tol("exact", 0, 0)
     if cls.routing or cls.arithmetic == "elementwise":
-        return dict(rtol=1e-6, atol=1e-6)
+        return tol("elementwise", 1e-6, 1e-6)
     if cls.is_loss:
-        return dict(rtol=1e-5, atol=1e-7) if what == "top" else dict(rtol=1e-4, atol=1e-6)
-    return dict(rtol=1e-4, atol=1e-5)
+        return tol("loss", 1e-5, 1e-7) if what == "top" else tol("blas", 1e-4, 1e-6)
+    return tol("blas", 1e-4, 1e-5)
 
 
 def _producer(net: Net, blob: str):
@@ -70,8 +72,8 @@ def test_golden_layer(case):
 
     net.forward()
     for name in meta["tops"]:
-        tol = dict(rtol=0, atol=0) if name == "mask" else tolerances(t, "top")
-        np.testing.assert_allclose(net.blobs[name].data, z[f"top/{name}"], **tol,
+        limits = dict(rtol=0, atol=0) if name == "mask" else tolerances(t, "top")
+        np.testing.assert_allclose(net.blobs[name].data, z[f"top/{name}"], **limits,
                                    err_msg=f"top '{name}'")
     for i in range(meta["num_params"]):
         key = f"param_after_forward/{i}"

@@ -14,7 +14,7 @@ import brewnet
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import parse_text, read_net, read_solver
 from brewnet.solvers import LR_POLICIES, SOLVERS, LossNotFiniteError, SGDSolver, SolverError, get_solver
-from helpers import GOLDEN_SOLVERS, MODELS, need, swap_data_layers
+from helpers import GOLDEN_SOLVERS, MODELS, host, need, swap_data_layers, tol
 
 SOLVER_DIR = GOLDEN_SOLVERS
 CASES = sorted(p.stem for p in SOLVER_DIR.glob("*.npz") if p.stem != "batches")
@@ -58,16 +58,16 @@ def run_golden_steps(solver, steps: int):
 
 def check_golden_state(solver, z, params: str, history: str, label: str):
     """The solver's params and history against the case's ``<params>/<layer>/<i>`` and
-    ``<history>/<j>`` arrays (rtol 1e-4, atol 1e-5)."""
+    ``<history>/<j>`` arrays (rtol 1e-4, atol 1e-5; a device's: helpers.tol)."""
     meta = json.loads(str(z["meta"]))
     for layer in solver.net.layer_list:
         for i, t in enumerate(layer.blobs):
-            np.testing.assert_allclose(t.detach().numpy(), z[f"{params}/{layer.name}/{i}"],
-                                       rtol=1e-4, atol=1e-5, err_msg=f"{label} {layer.name}/{i}")
+            np.testing.assert_allclose(host(t), z[f"{params}/{layer.name}/{i}"],
+                                       **tol("trajectory", 1e-4, 1e-5), err_msg=f"{label} {layer.name}/{i}")
     hist = [k for k in z.files if k.startswith(history + "/")]
     assert len(hist) == len(solver.history)
     for j, h in enumerate(solver.history):
-        np.testing.assert_allclose(h.numpy(), z[f"{history}/{j}"], rtol=1e-4, atol=1e-5,
+        np.testing.assert_allclose(host(h), z[f"{history}/{j}"], **tol("trajectory", 1e-4, 1e-5),
                                    err_msg=f"{label} {history} {j} ({meta['history_map'][j]})")
 
 
@@ -88,7 +88,7 @@ def test_golden(case, tmp_path):
     lrs, losses = run_golden_steps(solver, meta["steps"])
     # lrs: float32 values, exactly; losses (the mean over iter_size passes): rtol 1e-5.
     np.testing.assert_array_equal(np.float32(lrs), np.float32(z["lrs"]))
-    np.testing.assert_allclose(losses, z["losses"], rtol=1e-5)
+    np.testing.assert_allclose(losses, z["losses"], **tol("trajectory", 1e-5, 0))
     check_golden_state(solver, z, "final", "history", case)
     assert solver.iter == meta["solverstate_iter"]
     assert solver.current_step == meta["solverstate_current_step"]
@@ -110,7 +110,7 @@ def check_resumed(case, z, k: int, tmp_path, prefix: str) -> None:
     lrs, losses = run_golden_steps(resumed, meta["steps"] - k)
     lrs_key, losses_key = (f"{prefix}lrs", f"{prefix}losses") if prefix else ("lrs", "losses")
     np.testing.assert_array_equal(np.float32(lrs), np.float32(z[lrs_key][-len(lrs):]))
-    np.testing.assert_allclose(losses, z[losses_key][-len(losses):], rtol=1e-5)
+    np.testing.assert_allclose(losses, z[losses_key][-len(losses):], **tol("trajectory", 1e-5, 0))
     check_golden_state(resumed, z, f"{prefix}final", f"{prefix}history", case + " resumed")
     assert resumed.current_step == meta["solverstate_current_step"]
 
@@ -137,7 +137,7 @@ def test_golden_harness_memory_feed():
     solver, _ = golden_solver("type_nesterov", net=text[:start] + mem + "\n" + text[end:])
     assert solver.train_feed is None
     _, losses = run_golden_steps(solver, meta["steps"])
-    np.testing.assert_allclose(losses, z["losses"], rtol=1e-5)
+    np.testing.assert_allclose(losses, z["losses"], **tol("trajectory", 1e-5, 0))
     check_golden_state(solver, z, "final", "history", "memory feed")
 
 
@@ -226,7 +226,7 @@ def test_bad_solver_params():
 # -- update details against numpy references ------------------------------------------------
 def _numpy_step(solver, case_grads, rule):
     """Params after one update from given gradients, by a numpy re-implementation."""
-    return [rule(t.detach().numpy().astype(np.float64), g) for t, g in zip(solver.net.learnable, case_grads)]
+    return [rule(host(t).astype(np.float64), g) for t, g in zip(solver.net.learnable, case_grads)]
 
 
 def _grads_after_forward_backward(solver):
@@ -234,13 +234,13 @@ def _grads_after_forward_backward(solver):
     solver._feed(solver.net, solver.train_feed, 0)
     solver.net.forward_tensors()
     solver.net.backward_tensors(blob_diffs=False)
-    return [t.grad.detach().numpy().astype(np.float64).copy() for t in solver.net.learnable]
+    return [host(t.grad).astype(np.float64).copy() for t in solver.net.learnable]
 
 
 def test_l1_decay_decay_mult_and_clip():
     s, _ = golden_solver("type_sgd", 'regularization_type: "L1" clip_gradients: 0.5 momentum: 0')
     s.net.decay_mults[1] = 0.0       # as a decay_mult: 0 on conv1's bias
-    w0 = [t.detach().numpy().astype(np.float64).copy() for t in s.net.learnable]
+    w0 = [host(t).astype(np.float64).copy() for t in s.net.learnable]
     g = _grads_after_forward_backward(s)
     norm = math.sqrt(sum((x ** 2).sum() for x in g))
     assert norm > 0.5
@@ -249,7 +249,7 @@ def test_l1_decay_decay_mult_and_clip():
     for i, (w, gi, t) in enumerate(zip(w0, g, s.net.learnable)):
         decay = 0.0005 * s.net.decay_mults[i]
         expect = w - 0.05 * s.net.lr_mults[i] * (gi + decay * np.sign(w))
-        np.testing.assert_allclose(t.detach().numpy(), expect, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(host(t), expect, rtol=1e-5, atol=1e-7)
 
 
 def test_iter_size_equals_full_batch():
@@ -263,7 +263,7 @@ def test_iter_size_equals_full_batch():
     full.step(3)
     acc.step(3)
     for a, f in zip(acc.net.learnable, full.net.learnable):
-        np.testing.assert_allclose(a.detach().numpy(), f.detach().numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(host(a), host(f), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(acc.loss, full.loss, rtol=1e-5)
 
 
@@ -304,8 +304,8 @@ def test_apply_update_pycaffe():
         t.grad = torch.ones_like(t)
     s.apply_update()
     for t, m in zip(s.net.learnable, s.net.lr_mults):
-        np.testing.assert_allclose(t.detach().numpy(), -0.01 * m, atol=1e-7)
-        np.testing.assert_allclose(t.grad.numpy(), 0.01 * m, atol=1e-9)   # diff holds the step
+        np.testing.assert_allclose(host(t), -0.01 * m, atol=1e-7)
+        np.testing.assert_allclose(host(t.grad), 0.01 * m, atol=1e-9)   # diff holds the step
     assert s.iter == 0
 
 

@@ -1,5 +1,7 @@
 """The recorded forward-backward (brewnet/solvers/step_graph.py): the same bits as the eager
-step, its fallbacks, and pycaffe's blob semantics around it."""
+step, its fallbacks, and pycaffe's blob semantics around it. The tests marked with the
+``backend`` parameter drive both backends, the CPU's recorded graph and its CUDA graph
+(brewnet/solvers/cuda_graph.py); the CUDA case skips with one reason without a GPU."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +13,11 @@ import torch
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto import parse_text
 from brewnet.solvers import SOLVERS
-from helpers import random_digits_lmdb
+from helpers import DEVICE, host, random_digits_lmdb
+
+NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False here)"
+BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason=NO_CUDA))]
 
 LOGREG = """name: "logreg"
 layer { name: "data" type: "Input" top: "data" top: "label"
@@ -40,14 +46,14 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top:
 """
 
 
-def make_solver(net: str, solver_type: str = "SGD", feed=None, extra: str = ""):
+def make_solver(net: str, solver_type: str = "SGD", feed=None, extra: str = "", device=DEVICE):
     param = parse_text(f"""type: "{solver_type}" base_lr: 0.05 momentum: 0.9 weight_decay: 5e-4
         lr_policy: "inv" gamma: 0.0001 power: 0.75 max_iter: 1000 display: 0 random_seed: 3
-        solver_mode: CPU {extra}""", pb.SolverParameter())
+        {extra}""", pb.SolverParameter())
     if solver_type == "Adam":
         param.momentum2 = 0.999
     param.net_param.CopyFrom(parse_text(net, pb.NetParameter()))
-    return SOLVERS[solver_type](param, train_feed=feed)
+    return SOLVERS[solver_type](param, train_feed=feed, device=device)
 
 
 def logreg_feed(bad_at: int | None = None):
@@ -60,8 +66,8 @@ def logreg_feed(bad_at: int | None = None):
 
 
 def state(s) -> list[np.ndarray]:
-    return ([p.detach().numpy().copy() for p in s.net.learnable]
-            + [h.numpy().copy() for h in s.history]
+    return ([host(p).copy() for p in s.net.learnable]
+            + [host(h).copy() for h in s.history]
             + [s.net.blobs[n].data.copy() for n in s.net.blobs])
 
 
@@ -81,11 +87,16 @@ def assert_same(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("solver_type", ["SGD", "Adam", "Nesterov"])
-def test_logreg_graph_equals_eager_bitwise(monkeypatch, solver_type):
-    eager, graph = run_both(monkeypatch, lambda: make_solver(LOGREG, solver_type, logreg_feed()), 30)
+def test_logreg_graph_equals_eager_bitwise(monkeypatch, solver_type, backend):
+    from brewnet.solvers.cuda_graph import CudaStepGraph
+
+    eager, graph = run_both(monkeypatch, lambda: make_solver(LOGREG, solver_type, logreg_feed(),
+                                                             device=backend), 30)
     assert getattr(eager, "_graph", None) is None
     assert graph._graph.gm is not None          # the graph ran the steps after the first
+    assert isinstance(graph._graph, CudaStepGraph) == (backend == "cuda")
     assert graph._graph.side_tops == ["accuracy"]
     assert_same(eager, graph)
     assert eager.smoothed_loss == graph.smoothed_loss
@@ -137,7 +148,7 @@ def test_long_run_equals_eager_bitwise_with_diffs(monkeypatch, extra):
     assert_same(eager, graph)
     assert eager.losses == graph.losses
     for a, b in zip(eager.net.learnable, graph.net.learnable):
-        np.testing.assert_array_equal(a.grad.numpy(), b.grad.numpy())
+        np.testing.assert_array_equal(host(a.grad), host(b.grad))
 
 
 def test_loss_diff_written_after_capture_is_seen(monkeypatch):
@@ -222,18 +233,60 @@ def test_input_reshape_retraces_or_runs_eager(monkeypatch):
     assert_same(eager, graph)
 
 
-def test_refused_nets_keep_the_eager_step(monkeypatch, tmp_path, caplog):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_refused_nets_keep_the_eager_step(monkeypatch, tmp_path, caplog, backend):
     src = random_digits_lmdb(tmp_path / "db", 20, 12, seed=2)
     drop = 'layer { name: "drop" type: "Dropout" bottom: "pool1" top: "pool1" }'
     monkeypatch.setenv("BREWNET_STEP_GRAPH", "1")
     with caplog.at_level(logging.DEBUG, logger="brewnet"):
-        s = make_solver(conv_net(src, drop))
+        s = make_solver(conv_net(src, drop), device=backend)
         s.step(3)
     assert getattr(s, "_graph", None) is None
     assert "layer 'drop' of type Dropout" in caplog.text
-    s = make_solver(LOGREG, feed=logreg_feed(), extra="iter_size: 2")
+    s = make_solver(LOGREG, feed=logreg_feed(), extra="iter_size: 2", device=backend)
     s.step(2)
     assert getattr(s, "_graph", None) is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_replay_that_differs_at_capture_keeps_the_eager_step(monkeypatch, caplog, backend):
+    """The bitwise check at capture: a graph whose first replay is one ulp off the eager step
+    (here made so) is dropped, with a warning, and the run keeps the eager step's bits."""
+    from brewnet.solvers.cuda_graph import CudaStepGraph
+    from brewnet.solvers.step_graph import StepGraph
+
+    cls = CudaStepGraph if backend == "cuda" else StepGraph
+    real = cls._run
+
+    def off_by_an_ulp(self, xs):
+        out = real(self, xs)
+        return (torch.nextafter(out[0], out[0] + 1), *out[1:])
+    monkeypatch.setattr(cls, "_run", off_by_an_ulp)
+    with caplog.at_level(logging.WARNING, logger="brewnet"):
+        eager, graph = run_both(monkeypatch, lambda: make_solver(LOGREG, feed=logreg_feed(),
+                                                                 device=backend), 8)
+    assert graph._graph.gm is None and graph._graph.captures == 3
+    assert "the recorded step differs from the eager one" in caplog.text
+    assert_same(eager, graph)
+
+
+def test_a_net_on_cuda_gets_the_cuda_graph_and_other_devices_are_refused():
+    """The dispatch and the device refusal need no GPU: a CUDA net's StepGraph is a
+    CudaStepGraph; a device without CUDA graphs is refused with its name."""
+    from types import SimpleNamespace
+
+    from brewnet.solvers import cuda_graph
+    from brewnet.solvers.step_graph import StepGraph
+
+    def fake(device):
+        return SimpleNamespace(device=torch.device(device), bottom_lists=[])
+    assert type(StepGraph(fake("cuda:0"))) is cuda_graph.CudaStepGraph
+    assert type(StepGraph(fake("cpu"))) is StepGraph
+    assert cuda_graph.device_refusal(torch.device("cpu")) is None
+    assert cuda_graph.device_refusal(torch.device("meta")) == "device meta: no CUDA graphs there"
+    if not torch.cuda.is_available():
+        assert cuda_graph.device_refusal(torch.device("cuda:0")) == \
+            "device cuda:0: no CUDA graphs there"
 
 
 def test_auto_mode_waits_for_a_long_run(monkeypatch):

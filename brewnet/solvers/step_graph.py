@@ -22,15 +22,18 @@ A TRAIN top nothing in the step needs (an Accuracy) is split off and computed wh
 bindings rather than ``OpOverload`` (``graph_record.unbox``).
 Refused (the eager step, with the reason at debug level): a layer type outside ``PURE`` or a
 plugin's class (they may draw random numbers, keep state or branch on values), iter_size > 1,
-force_backward, a net not on the CPU, a blob someone holds a numpy view of at capture, or a
-trace that fails. A replay is keyed on the input shapes and the identity of every layer
-tensor, so reshapes, ``copy_from`` and net surgery re-trace or fall back.
+force_backward, a net on a device without CUDA graphs (``cuda_graph.device_refusal``), a blob
+someone holds a numpy view of at capture, or a trace that fails. A replay is keyed on the input
+shapes and the identity of every layer tensor, so reshapes, ``copy_from`` and net surgery re-trace or fall back.
 ``BREWNET_STEP_GRAPH=0`` turns it off; ``=1`` captures at the first iteration of any run
 (tests); by default it captures when a ``step``/``solve`` has at least ``MIN_ITERS`` left (or
 the solver has run that many in short calls), at the second eager step, if that step took
 under ``MAX_EAGER_S``. torch.compile (inductor) over the same graph was tried and dropped: on
 brewing-logreg it gave 309 against the replay's 315 us a step (the forward-backward is no
 longer where the step's time goes) after a 4-20 s compile, and its kernels round differently.
+On CUDA the same recorded graph is captured once more as a CUDA graph and replayed by one
+launch (``brewnet/solvers/cuda_graph.py``): ``StepGraph(net)`` for a net on CUDA is a
+``CudaStepGraph``, with the same refusals and the same bitwise check at capture.
 """
 from __future__ import annotations
 
@@ -68,8 +71,10 @@ def refusal(solver) -> str | None:
         return "iter_size > 1"
     if net.param.force_backward:
         return "force_backward"
-    if net.device.type != "cpu":
-        return f"device {net.device}"
+    from .cuda_graph import device_refusal
+    why = device_refusal(net.device)
+    if why:
+        return why
     if not net._needs_backward:
         return "no loss to backpropagate"
     if net.hooked():
@@ -148,7 +153,14 @@ def _writes(user, node) -> bool:
 
 class StepGraph:
     """One train net's forward-backward: replayed from the recorded graph where it fits,
-    else run eagerly (and recorded, a few times at most)."""
+    else run eagerly (and recorded, a few times at most). A net on CUDA gets the subclass
+    ``cuda_graph.CudaStepGraph`` (the recorded graph captured as a CUDA graph)."""
+
+    def __new__(cls, net):
+        if cls is StepGraph and net.device.type == "cuda":
+            from .cuda_graph import CudaStepGraph
+            cls = CudaStepGraph
+        return super().__new__(cls)
 
     def __init__(self, net):
         self.net = net
@@ -297,6 +309,9 @@ class StepGraph:
             unbox(self.side)
         unbox(self.gm)
         self._core_tops = [t for t in self.tops if t not in self.side_tops]
+        if not self._prepare(xs):
+            self.gm, self.captures = None, 3
+            return False
         loss, tops, grads = self._values(xs)
         e_loss, e_tops, e_grads = eager
         same = (_same(loss, e_loss) and tops.keys() == e_tops.keys()
@@ -308,9 +323,20 @@ class StepGraph:
                         "net '%s' keeps the eager step", net.name)
             self.gm, self.captures = None, 3
             return False
-        log.info("Net '%s': forward and backward replayed as one recorded graph (%d ops)",
-                 net.name, sum(n.op == "call_function" for n in self.gm.graph.nodes))
+        log.info("Net '%s': forward and backward replayed as one %s (%d ops)", net.name,
+                 self.KIND, sum(n.op == "call_function" for n in self.gm.graph.nodes))
         return True
+
+    KIND = "recorded graph"
+
+    def _prepare(self, xs) -> bool:
+        """Make the recorded graph ready to run on inputs like ``xs`` (here: nothing to do;
+        the CUDA subclass captures it); False keeps the eager step."""
+        return True
+
+    def _run(self, xs) -> tuple:
+        """The recorded graph's outputs on inputs ``xs`` (grad mode off)."""
+        return self.gm.forward(*xs)       # not Module.__call__: no hooks to look for
 
     def _traced(self, *xs):
         net = self.net
@@ -342,7 +368,7 @@ class StepGraph:
         grad_mode = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)     # not torch.set_grad_enabled: an object per call
         try:
-            out = self.gm.forward(*xs)       # not Module.__call__: no hooks to look for
+            out = self._run(xs)
             n = len(core)
             tops = dict(zip(core, out[1:1 + n]))
             grads, i = [], 1 + n
@@ -398,7 +424,8 @@ class StepGraph:
         for p, g in zip(self.params, grads):
             if g is not None:
                 if g.stride() != p.stride():    # autograd gives .grad the param's layout
-                    g = torch.empty_strided(p.shape, p.stride(), dtype=g.dtype).copy_(g)
+                    g = torch.empty_strided(p.shape, p.stride(), dtype=g.dtype,
+                                            device=g.device).copy_(g)
                 p.grad = g
         net._ran, net._fed = {}, {}
         return loss

@@ -1,0 +1,89 @@
+"""The device switch: ``BREWNET_TEST_DEVICE=cuda python -m pytest tests`` runs the device parity
+tests on ``cuda:0`` and skips the rest, each with one reason.
+
+With the switch on, brewnet's default device (pycaffe's mode, ``runtime.set_default_device``)
+is ``cuda:0`` for the whole session, so every Net and Solver a test builds without naming a
+device lands there, and TF32 is off (``runtime.configure``: Caffe computes in IEEE float32).
+Tests that build layers, tensors or feeds themselves use ``helpers.DEVICE``; the float32
+tolerances a GPU needs beyond the CPU's are in ``helpers.DEVICE_TOLERANCES`` with the reason per
+kind. Without CUDA the switch stops the run with one line: a run that silently stayed on the CPU
+would report a GPU parity it never tested.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+SWITCH = "BREWNET_TEST_DEVICE"
+# The device parity tests, by module: what each proves on a device. A module not listed here
+# tests the CPU (its kernels, its allocator, files, the CLI's text...) and is skipped whole;
+# a test in a listed module that cannot run on a device carries @pytest.mark.cpu_only(reason).
+DEVICE_MODULES = {
+    "test_golden_layers.py": "the golden layer cases from the real Caffe, forward and backward",
+    "test_solvers.py": "the golden solver runs and the update rules",
+    "test_models.py": "the real models (Caffe's and the forks' nets) against their golden outputs",
+    "test_pycaffe.py": "the pycaffe Net API",
+    "test_lean.py": "lean inference against the plain forward",
+    "test_step_graph.py": "the recorded step (a CUDA graph there) against the eager step",
+    "test_parallel.py": "data parallel on one device",
+    "test_fused.py": "fused training of K nets",
+    "test_together.py": "K nets trained together on one data stream",
+    "test_serve.py": "brewnet serve",
+    "test_video.py": "video inference",
+    "test_gpu.py": "the device switch and the CUDA graphs themselves",
+}
+NOT_DEVICE = ("not a device parity test (tests/conftest.py DEVICE_MODULES lists those); "
+              "it tests CPU-side behaviour")
+
+
+def device_name() -> str:
+    value = os.environ.get(SWITCH, "").strip() or "cpu"
+    if value not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"{SWITCH}={value!r}: expected cpu or cuda")
+    return value
+
+
+def cuda_missing() -> str | None:
+    """Why the CUDA switch cannot run here (None: it can)."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device (driver missing or CUDA_VISIBLE_DEVICES empty)"
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only(reason): in a device module, a test that "
+                            "cannot run on a device (skipped under BREWNET_TEST_DEVICE=cuda)")
+    if device_name() != "cuda":
+        return
+    why = cuda_missing()
+    if why:
+        raise pytest.UsageError(f"{SWITCH}=cuda: {why}; nothing was run (unset it for the CPU)")
+    from brewnet import runtime
+
+    runtime.set_default_device(True, 0)
+    runtime.configure("cuda:0")
+    import torch
+
+    torch.backends.cudnn.benchmark = False      # no timed algorithm choice: the same run twice
+
+
+def pytest_report_header(config):
+    return f"brewnet test device: {device_name()} ({SWITCH})"
+
+
+def pytest_collection_modifyitems(config, items):
+    if device_name() != "cuda":
+        return
+    skip = pytest.mark.skip(reason=NOT_DEVICE)
+    for item in items:
+        if item.path.name not in DEVICE_MODULES:
+            item.add_marker(skip)
+            continue
+        mark = item.get_closest_marker("cpu_only")
+        if mark is not None:
+            item.add_marker(pytest.mark.skip(reason=f"CPU only: {mark.args[0]}"))
