@@ -79,7 +79,7 @@ def training_curve(log: Path | None, work: Path) -> None:
 
 
 def video_frame(work: Path) -> None:
-    import cv2   # a dependency of brewnet
+    import cv2  # a dependency of brewnet
 
     frames = work / "pan"
     frames.mkdir(exist_ok=True)
