@@ -443,3 +443,9 @@ def test_owls_own_snapshot_folders_load(trained, tmp_path, capsys):
         assert np.array_equal(h.numpy().reshape(-1), np.array(want.data, np.float32))
     got = {(l.name, i): b.detach().numpy().reshape(-1) for l in s_.net.layer_list for i, b in enumerate(l.blobs)}
     assert max_diff(got, weights(d / "lenet_iter_30.caffemodel")) == 0
+
+
+def test_run_builds_the_net_when_build_net_was_not_called(small_test, tmp_path):
+    _, s = small_test
+    assert owl_tools.FeatureExtractor(s, 3).run("ip2", tmp_path / "f.txt") == 2
+    assert len(owl_tools.FilterVisualizer(s, 3, "conv1", tmp_path / "v").run()) == 20

@@ -1,8 +1,8 @@
 """owl's tool classes (``owl.net.trainer``), as owl's users call them, on brewnet's core.
 
 Each takes Minerva's arguments, has ``build_net()`` (read the solver and its net, build the
-nets, load owl's snapshot *index*: ``net_helper``) and ``run(...)``, and prints owl's lines on
-stdout (brewnet's own log stays on stderr). The work is the core's:
+nets, load owl's snapshot *index*: ``net_helper``; ``run`` calls it when it has not run) and
+``run(...)``, and prints owl's lines on stdout (brewnet's own log stays on stderr). The work is the core's:
 
 - ``NetTrainer``: a brewnet Solver (any type and lr policy of the solver file); several devices
   (``num_gpu``; CPU worker processes where this machine has fewer GPUs) are
@@ -62,8 +62,15 @@ class _Tool:
         self.owl_net.compute_size(self.phase)
         self.builder.init_net_from_file(self.owl_net, self.snapshot_dir, self.snapshot)
 
+    def _built(self) -> Net:
+        """The owl Net, built now when ``run`` comes before ``build_net``."""
+        if getattr(self, "owl_net", None) is None:
+            self.build_net()
+        return self.owl_net
+
     def _unit(self, name: str, kind=None):
-        units = [u for u in self.owl_net.get_units_by_name(name) if u in self.owl_net.units_of("TEST")]
+        net = self._built()
+        units = [u for u in net.get_units_by_name(name) if u in net.units_of("TEST")]
         if not units:
             raise ValueError(f"layer '{name}' is not in the TEST net")
         if kind is not None and not isinstance(units[0], kind):
@@ -78,7 +85,7 @@ class _Tool:
         return unit.top_names[0]
 
     def _test_iter(self) -> int:
-        if not self.owl_net.solver.test_iter:
+        if not self._built().solver.test_iter:
             raise ValueError(f"{self.solver_file}: no test_iter: owl's tools run test_iter[0] batches")
         return self.owl_net.solver.test_iter[0]
 
@@ -183,8 +190,8 @@ class HeatmapVisualizer(_Tool):
     def run(self, layer_name, result_path) -> list[Path]:
         from ...analysis.heatmap import from_net, save_pictures
 
-        core = self.owl_net.core("TEST")
         blob = self._output(layer_name)
+        core = self.owl_net.core("TEST")
         if len(core.shapes[blob]) != 4:
             raise ValueError(f"layer '{layer_name}' gives {core.shapes[blob]}; a heatmap needs an "
                              "N x C x H x W output (a convolution or pooling layer)")
@@ -209,8 +216,8 @@ class FilterVisualizer(_Tool):
 
         from ...analysis.filters import scan
 
-        core = self.owl_net.core("TEST")
         blob = self._output(self.layer_name)
+        core = self.owl_net.core("TEST")
         images = min(self._test_iter() * core.shapes[blob][0], MAX_FILTER_IMAGES)
         say("Begin Generating Activations from Testing Set")
         top = scan(core, blob, images)
@@ -330,6 +337,8 @@ class NetTrainer:
         """Train to max_iter from the snapshot's iteration, printing owl's lines."""
         if self._spawns():
             return self._launch()
+        if getattr(self, "owl_net", None) is None:
+            self.build_net()
         from ...parallel import leave
 
         s = self.owl_net.trainer_solver
