@@ -194,3 +194,57 @@ def test_a_pspnet_schema_caffemodel_loads_with_the_same_outputs(pspnet_pb2, tmp_
     read = {l.name: l for l in read_net(str(path)).layer}
     assert read["up"].interp_param.zoom_factor == 3 and not read["up"].HasField("input_param")
     assert read["conv/bn"].bn_param.frozen
+
+
+def yolo3_ref(outs, p):
+    """Detections of MobileNet-YOLO's Yolov3DetectionOutputLayer::Forward_cpu, element by
+    element: (label, score, x, y, w, h) per detection before its sort and NMS."""
+    dets = []
+    for t, v in enumerate(outs):
+        _, _, h, w = v.shape
+        v = v.reshape(p.num_box, 5 + p.num_classes, h, w).astype(np.float64)
+        for i in range(h):
+            for j in range(w):
+                for n in range(p.num_box):
+                    m = p.mask[n + t * p.num_box]
+                    sig = 1 / (1 + np.exp(-v[n, :, i, j]))
+                    for c in range(p.num_classes):
+                        score = sig[5 + c] * sig[4]
+                        if score > p.confidence_threshold:
+                            dets.append((c + 1, score, (j + sig[0]) / w, (i + sig[1]) / h,
+                                         np.exp(v[n, 2, i, j]) * p.biases[2 * m] / (w * p.anchors_scale[t]),
+                                         np.exp(v[n, 3, i, j]) * p.biases[2 * m + 1] / (h * p.anchors_scale[t])))
+    return dets
+
+
+def test_mobilenet_yolov3_lite_runs_depthwise_and_yolo_output(tmp_path):
+    cv2 = pytest.importorskip("cv2")
+    path = FORKS / "yolov3_lite_mobilenetv2_deploy.prototxt"
+    net = caffe.Net(str(path), caffe.TEST)
+    rng = np.random.default_rng(5)
+    fill(net, rng, 0.05)
+    x = rng.uniform(-1, 1, (1, 3, 352, 352)).astype(F32)
+    net.forward(data=x)
+    heads = ["yolo/conv4", "yolo/conv5"]
+    assert [net.blobs[b].data.shape for b in heads] == [(1, 75, 11, 11), (1, 75, 22, 22)]
+    # OpenCV has no DepthwiseConvolution; the fork's is Caffe's Convolution with the prototxt's
+    # group, so OpenCV runs the same text with the type renamed (and the detection head left off).
+    text = path.read_text().replace('"DepthwiseConvolution"', '"Convolution"')
+    text = text[: text.rindex("layer {", 0, text.index('type: "Yolov3DetectionOutput"'))]
+    (tmp_path / "cv.prototxt").write_text(text)
+    net.save(str(tmp_path / "y.caffemodel"))
+    cv = cv2.dnn.readNetFromCaffe(str(tmp_path / "cv.prototxt"), str(tmp_path / "y.caffemodel"))
+    cv.setInput(x, "data")
+    for b, theirs in zip(heads, cv.forward(heads)):
+        ours = net.blobs[b].data
+        assert np.abs(ours - theirs).max() <= 2e-4 * max(1, np.abs(theirs).max()), b   # ATOL_MODEL
+    # the detections: each row is one of the fork loop's (label, score, box), the best first
+    p = read_net(str(path)).layer[-1].yolov3_detection_output_param
+    ref = np.array([(lab, sc, bx - bw / 2, by - bh / 2, bx + bw / 2, by + bh / 2)
+                    for lab, sc, bx, by, bw, bh in yolo3_ref([net.blobs[b].data for b in heads], p)])
+    out = net.blobs["detection_out"].data.reshape(-1, 7)
+    assert len(ref) > 0 and 0 < len(out) <= len(ref)
+    assert (out[:, 0] == 0).all() and (np.diff(out[:, 2]) <= 0).all()
+    assert out[0, 2] == pytest.approx(ref[:, 1].max(), rel=1e-6)
+    for row in out:
+        assert (np.abs(ref - row[1:]).max(1) < 1e-4).any(), row

@@ -186,3 +186,28 @@ def test_region_outputs_by_hand():
 def test_routing_and_neuron_forks_match_opencv(layers, shapes, tmp_path):
     ours, theirs, _, _ = opencv_run(tmp_path, layers, shapes, ["r"])
     np.testing.assert_array_equal(ours["r"], theirs["r"])
+
+
+# -- Yolov3DetectionOutput ------------------------------------------------------------------
+YOLO3 = ('type: "Yolov3DetectionOutput" top: "d" yolov3_detection_output_param { num_classes: 2 '
+         'num_box: 1 confidence_threshold: 0.3 nms_threshold: {nms} biases: 32 biases: 64 '
+         'anchors_scale: 32 mask_group_num: 1 mask: 0 }')
+
+
+def test_yolov3_detection_output_by_hand():
+    # grid 1x2 (input 64x32 at anchors_scale 32), one 32x64-pixel anchor, 2 classes. Cell 0: all
+    # logits 0 -> scores 0.5 * 0.5 = 0.25 (under 0.3). Cell 1: objectness and class 0 logits
+    # 100 (-> 1), class 1 logit 0 (-> 0.5). Box of cell 1: x = (1 + 0.5) / 2, y = 0.5 / 1,
+    # w = 32 / (2 * 32), h = 64 / (1 * 32).
+    x = torch.zeros(1, 7, 1, 2)
+    x[0, 4, 0, 1] = x[0, 5, 0, 1] = 100.0
+    layer, tops = make_layer(YOLO3.replace("{nms}", "0.45"), [(1, 7, 1, 2)])
+    assert tops == [(1, 1, 1, 7)]
+    (d,) = layer.forward([x])
+    # class 1's box is the same box at 0.5: class-agnostic NMS removes it
+    np.testing.assert_allclose(d.reshape(-1, 7).numpy(), [[0, 1, 1, 0.5, -0.5, 1.0, 1.5]], atol=1e-6)
+    layer, _ = make_layer(YOLO3.replace("{nms}", "1.01"), [(1, 7, 1, 2)])
+    np.testing.assert_allclose(layer.forward([x])[0].reshape(-1, 7).numpy(),
+                               [[0, 1, 1, 0.5, -0.5, 1.0, 1.5], [0, 2, 0.5, 0.5, -0.5, 1.0, 1.5]], atol=1e-6)
+    (none,) = layer.forward([torch.zeros(1, 7, 1, 2)])
+    assert none.tolist() == [[[[0, -1, -1, -1, -1, -1, -1]]]]

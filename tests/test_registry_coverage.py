@@ -44,6 +44,7 @@ NUMPY_REFERENCE = {
     "Axpy": ["test_layers_forks.py::test_axpy_formula_and_gradient"],
     "Reorg": ["test_layers_forks.py::test_reorg_is_the_forks_index_rule"],
     "Region": ["test_layers_forks.py::test_region_outputs_by_hand"],
+    "Yolov3DetectionOutput": ["test_layers_forks.py::test_yolov3_detection_output_by_hand"],
 }
 
 

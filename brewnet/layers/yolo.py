@@ -1,7 +1,9 @@
-"""YOLOv2 layers of the Caffe YOLO ports: Reorg (Darknet's passthrough reorg, as
-eric612/MobileNet-YOLO and OpenCV run it) and Region (Darknet's region-layer outputs)."""
+"""YOLO layers of the Caffe YOLO ports: Reorg (Darknet's passthrough reorg, as
+eric612/MobileNet-YOLO and OpenCV run it), Region (Darknet's YOLOv2 region outputs) and
+Yolov3DetectionOutput (MobileNet-YOLO's YOLOv3 detections)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .base import Layer
@@ -105,3 +107,97 @@ class Region(Layer):
         prob = prob * (prob > p.thresh).to(prob.dtype).detach()
         out = torch.cat([torch.stack([bx, by, bw, bh, obj], -1), prob], -1)
         return [out.reshape(n, h * w * self.a, 5 + self.k)]
+
+
+def _center_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """IoU of centre-size box ``a`` (4,) with boxes ``b`` (M, 4), float32 as the port."""
+    def overlap(x1, w1, x2, w2):
+        return (np.minimum(x1 + w1 / 2, x2 + w2 / 2) - np.maximum(x1 - w1 / 2, x2 - w2 / 2))
+    w = overlap(a[0], a[2], b[:, 0], b[:, 2])
+    h = overlap(a[1], a[3], b[:, 1], b[:, 3])
+    inter = np.where((w < 0) | (h < 0), np.float32(0), w * h)
+    return inter / (a[2] * a[3] + b[:, 2] * b[:, 3] - inter)
+
+
+@register("Yolov3DetectionOutput")
+class Yolov3DetectionOutput(Layer):
+    """YOLOv3 detections (eric612/MobileNet-YOLO's Yolov3DetectionOutput).
+
+    Bottoms: one per scale, (1, num_box (5 + K), H_t, W_t). Top: (1, 1, D, 7) rows [0, label
+    (class + 1), score, xmin, ymin, xmax, ymax] in [0, 1] units of the input (not clipped); no
+    detection: one row [0, -1, ..., -1]. For anchor n of scale t (its anchor mask[n + t *
+    num_box]), cell (i, j): x = (j + sigmoid(tx)) / W_t, y = (i + sigmoid(ty)) / H_t,
+    w = exp(tw) bias_w / (W_t anchors_scale[t]), h likewise; each class whose
+    sigmoid(class) * sigmoid(objectness) > confidence_threshold is a detection; all sorted by
+    score (ties in generation order), then class-agnostic NMS (IoU >= nms_threshold goes).
+    Params: yolov3_detection_output_param num_classes, num_box, confidence_threshold,
+    nms_threshold, biases, anchors_scale, mask_group_num (= bottoms), mask. One image per batch
+    (the port writes image 0 for every detection). No gradient.
+    """
+
+    min_bottoms = 1
+    exact_tops = 1
+    in_place_ok = False
+
+    def allow_backward(self, i):
+        return False
+
+    def setup(self, bottom_shapes):
+        p = self.param.yolov3_detection_output_param
+        if p.gaussian_box:
+            raise NotImplementedError(f"Layer '{self.name}': Yolov3DetectionOutput gaussian_box "
+                                      "(Gaussian YOLOv3) is not supported")
+        if len(bottom_shapes) != p.mask_group_num:
+            raise self.fail(f"mask_group_num {p.mask_group_num} must equal the bottoms, {len(bottom_shapes)}")
+        if len(p.anchors_scale) < len(bottom_shapes) or len(p.mask) < p.num_box * len(bottom_shapes):
+            raise self.fail("needs one anchors_scale per bottom and num_box mask entries per bottom")
+        if 2 * (max(p.mask) + 1) > len(p.biases):
+            raise self.fail(f"mask {list(p.mask)} names anchors beyond the {len(p.biases) // 2} in biases")
+        self.p = p
+
+    def reshape(self, bottom_shapes):
+        p = self.p
+        for s in bottom_shapes:
+            if len(s) != 4 or s[0] != 1 or s[1] != p.num_box * (5 + p.num_classes):
+                raise self.fail(f"bottom {tuple(s)} must be (1, num_box * (5 + num_classes) = "
+                                f"{p.num_box * (5 + p.num_classes)}, H, W)")
+        return [(1, 1, 1, 7)]
+
+    def forward(self, bottoms):
+        p = self.p
+        rows = []   # (scale, cell, anchor, class, box (x, y, w, h), score)
+        for t, x in enumerate(bottoms):
+            _, _, h, w = x.shape
+            v = x.detach().to("cpu", torch.float32).reshape(p.num_box, 5 + p.num_classes, h * w).numpy()
+            sig = 1 / (1 + np.exp(-v))
+            ii, jj = np.divmod(np.arange(h * w), w)
+            for n in range(p.num_box):
+                m = p.mask[n + t * p.num_box]
+                score = sig[n, 5:] * sig[n, 4]                          # (K, H W)
+                box = np.stack([(jj + sig[n, 0]) / np.float32(w), (ii + sig[n, 1]) / np.float32(h),
+                                np.exp(v[n, 2]) * np.float32(p.biases[2 * m]) / np.float32(w * p.anchors_scale[t]),
+                                np.exp(v[n, 3]) * np.float32(p.biases[2 * m + 1]) / np.float32(h * p.anchors_scale[t])],
+                               1).astype(np.float32)
+                for s, c in zip(*np.nonzero(score.T > np.float32(p.confidence_threshold))):
+                    rows.append((t, s, n, c, box[s], score[c, s]))
+        rows.sort(key=lambda r: r[:4])   # the port's generation order: scale, cell, anchor, class
+        return [self._nms_rows(rows)]
+
+    def _nms_rows(self, rows) -> torch.Tensor:
+        if not rows:
+            return torch.tensor([[[[0] + [-1] * 6]]], dtype=torch.float32)
+        boxes = np.stack([r[4] for r in rows])
+        scores = np.array([r[5] for r in rows], np.float32)
+        order = np.argsort(-scores, kind="stable")
+        boxes, scores = boxes[order], scores[order]
+        classes = np.array([r[3] for r in rows])[order]
+        gone = np.zeros(len(boxes), bool)
+        for i in range(len(boxes) - 1):
+            if not gone[i]:
+                gone[i + 1:] |= _center_iou(boxes[i], boxes[i + 1:]) >= np.float32(self.p.nms_threshold)
+        keep = ~gone
+        b = boxes[keep]
+        out = np.stack([np.zeros(keep.sum()), classes[keep] + 1, scores[keep],
+                        b[:, 0] - b[:, 2] / 2, b[:, 1] - b[:, 3] / 2,
+                        b[:, 0] + b[:, 2] / 2, b[:, 1] + b[:, 3] / 2], 1)
+        return torch.from_numpy(out.astype(np.float32)).reshape(1, 1, -1, 7)
