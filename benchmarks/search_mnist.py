@@ -9,7 +9,7 @@ TPE, ``--trials`` trials in groups of ``--group``, the median pruner, the object
 accuracy over all 10,000 test images (test_iter 100 x 100) every ``--test-interval`` iterations,
 each trial ``--iters`` iterations at most. Then each trial again, alone, one after another, for
 the iterations it ran in the search (a pruned one stops where it was pruned): the wall time the
-search's groups saved. Prints both tables and writes the search's (plots, best) under ``--out``.
+search's groups saved. ``--test-iter`` below 100 tests on the first 100 x N test images. Prints both tables and writes the search's (plots, best) under ``--out``.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 SHARED = Path(os.environ.get("BREWNET_SHARED") or ROOT.parent / "shared")
 T10K = SHARED / "caffe-models" / "trained" / "mnist_t10k" / "data" / "mnist"
 LENET = SHARED / "caffe-models" / "bvlc" / "examples" / "mnist" / "lenet_train_test.prototxt"
-SOLVER = ('net: "{net}" test_iter: 100 test_interval: {ti} base_lr: 0.01 momentum: 0.9 '
+SOLVER = ('net: "{net}" test_iter: {test_iter} test_interval: {ti} base_lr: 0.01 momentum: 0.9 '
           'weight_decay: 0.0005 lr_policy: "inv" gamma: 0.0001 power: 0.75 display: 0 '
           'max_iter: {iters} snapshot: 0 solver_mode: CPU')
 SPACE = """base_lr: {log_uniform: [0.003, 0.1]}
@@ -57,19 +57,20 @@ def prepare(mnist: Path, work: Path) -> Path:
     return work / "lenet_train_test.prototxt"
 
 
-def one_after_another(study, solver: Path, space_file: Path, work: Path) -> tuple[float, list]:
-    """Each trial of ``study`` alone, in order, for the iterations it ran: (wall s, per trial)."""
-    from brewnet.many.space import Space
+def one_after_another(study, work: Path) -> tuple[float, list]:
+    """Each trial of ``study`` alone (the solver the search wrote for it), in order, for the
+    iterations it ran: (wall s, per trial)."""
     from brewnet.many.study import counted
-    from brewnet.solvers import get_solver
+    from brewnet.solvers import get_solver, load_solver_param
 
-    space = Space.load(space_file, str(solver))
     rows, t0 = [], time.perf_counter()
     for t in counted(study.get_trials(deepcopy=False)):
         if not t.state.is_finished() or not t.user_attrs.get("iters"):
             continue
-        p = space.apply(t.params)
-        p.random_seed = 1701
+        p, _ = load_solver_param(str(Path(t.user_attrs["folder"]) / "solver.prototxt"))
+        for f in ("net", "train_net"):
+            if p.HasField(f):
+                setattr(p, f, str(Path(t.user_attrs["folder"]) / getattr(p, f)))
         p.max_iter = int(t.user_attrs["iters"])
         p.snapshot_after_train = False
         p.snapshot_prefix = str(work / "alone" / str(t.number))
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--iters", type=int, default=1500, help="max_iter of each trial")
     ap.add_argument("--test-interval", type=int, default=500)
+    ap.add_argument("--test-iter", type=int, default=100, help="test batches of 100 images (100: all)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--skip-sequential", action="store_true")
     a = ap.parse_args()
@@ -95,7 +97,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     net = prepare(a.mnist, a.out)
     solver = a.out / "lenet_solver.prototxt"
-    solver.write_text(SOLVER.format(net=net, ti=a.test_interval, iters=a.iters))
+    solver.write_text(SOLVER.format(net=net, ti=a.test_interval, iters=a.iters, test_iter=a.test_iter))
     space = a.out / "space.yaml"
     space.write_text(SPACE)
 
@@ -116,14 +118,14 @@ def main() -> None:
     trials = st.counted(study.get_trials(deepcopy=False))
     iters = sum(int(t.user_attrs.get("iters") or 0) for t in trials)
     print(f"Search of LeNet on MNIST: {a.trials} trials, groups of {a.group}, median pruner, "
-          f"max_iter {a.iters}, test every {a.test_interval} on 10,000 images; "
+          f"max_iter {a.iters}, test every {a.test_interval} on {a.test_iter * 100} images; "
           f"torch threads {__import__('torch').get_num_threads()}")
     print(st.table(study))
     print(f"plots: {', '.join(os.path.basename(p) for p in pngs)}")
     print(f"search wall: {wall:.1f} s for {iters} iterations of training")
     if a.skip_sequential:
         return
-    seq, rows = one_after_another(study, solver, space, a.out)
+    seq, rows = one_after_another(study, a.out)
     print(f"the same {len(rows)} trials one after another (same iterations each): {seq:.1f} s")
     print(f"search / one after another: {wall / seq:.2f}x the time ({seq / wall:.2f}x faster)")
 

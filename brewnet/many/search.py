@@ -155,6 +155,7 @@ class Search:
         self.space = space if isinstance(space, Space) else Space.load(space, solver)
         self.trials, self.k, self.out, self.seed = trials, group, os.path.abspath(out), seed
         self.device, self.fuse, self.exact, self.on_told = device, fuse, exact, on_told
+        self.heartbeat = heartbeat
         self.objective, direction = st.parse_objective(objective)
         base = self.space.base
         self._check_objective(base)
@@ -191,7 +192,7 @@ class Search:
         """The next trial as a Member, or None when the study has its ``trials``."""
         from optuna.trial import TrialState
 
-        st.fail_dead(self.study)
+        st.fail_dead(self.study, 3 * self.heartbeat)
         trials = self.study.get_trials(deepcopy=False)
         waiting = any(t.state == TrialState.WAITING for t in trials)
         if not waiting and len(st.counted(trials)) >= self.trials:
@@ -206,9 +207,11 @@ class Search:
                 trial.set_user_attr("over_budget", True)
                 self.study.tell(trial, state=TrialState.FAIL)
                 return None
-        if self.seed is not None and self.sampler_name is not None:
-            self.study.sampler = st.sampler(self.sampler_name, self.seed * 100003 + trial.number,
-                                            self.space)
+        if self.seed is not None and self.sampler_name is not None:   # (seed, number) hashed:
+            import numpy as np                                        # nearby seeds draw alike
+
+            per = int(np.random.SeedSequence([self.seed, trial.number]).generate_state(1)[0])
+            self.study.sampler = st.sampler(self.sampler_name, per, self.space)
         values = self.space.suggest(trial)
         trial.set_user_attr("worker", st.worker_id())
         folder = os.path.join(self.out, "trials", str(trial.number))
@@ -217,8 +220,8 @@ class Search:
         if not p.HasField("random_seed") or p.random_seed < 0:
             p.random_seed = self.seed if self.seed is not None else NET_SEED
         p.snapshot, p.snapshot_after_train = 0, True
-        write_prototxts(p, folder)
         p.snapshot_prefix = os.path.join(folder, self.stem)
+        write_prototxts(p, folder)
         with self._lock:
             self._beating[trial.number] = trial._trial_id
         log.info("Trial %d%s: %s", trial.number, f" (retry of {retried})"

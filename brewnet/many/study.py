@@ -10,11 +10,13 @@ when its worker ran on this host and its process is gone.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import os
 import shutil
 import socket
+import time
 import warnings
 
 from .space import SearchError
@@ -23,6 +25,7 @@ log = logging.getLogger("brewnet")
 SAMPLERS = ("tpe", "random", "cmaes", "grid")
 PRUNERS = ("median", "hyperband", "sha", "none")
 INSTALL = 'pip install "brewnet[search]"'
+RUN_ATTRS = ("worker", "folder", "iters", "wall_s", "last", "error")   # what a run of a trial records
 
 
 def optuna():
@@ -55,8 +58,6 @@ def parse_objective(spec: str) -> tuple[str, str]:
 def storage(url: str | None, out: str, heartbeat: int = 60):
     """Optuna storage for ``url`` (None: the journal file under ``out``)."""
     o = optuna()
-    from optuna.storages import RetryFailedTrialCallback
-
     if url is None or url.startswith("journal:") or url.endswith(".journal"):
         from optuna.storages.journal import JournalFileBackend
 
@@ -66,15 +67,41 @@ def storage(url: str | None, out: str, heartbeat: int = 60):
     if not url.split(":", 1)[0].split("+")[0] in ("sqlite", "postgresql", "mysql"):
         raise SearchError(f"--storage '{url}': expected sqlite:///FILE, postgresql://..., "
                           "mysql://... or a .journal file")
-    try:
-        return o.storages.RDBStorage(url, heartbeat_interval=heartbeat, grace_period=3 * heartbeat,
-                                     heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=1))
-    except ImportError as e:
-        raise SearchError(f"--storage {url.split(':')[0]}: a database driver is missing ({e}); "
-                          f"{INSTALL} installs PostgreSQL's") from None
-    except Exception as e:       # sqlalchemy's OperationalError...: one line, the server's words
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SearchError(f"--storage {url}: cannot open the study database: {first}") from None
+    for attempt in range(5):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", o.exceptions.ExperimentalWarning)
+                return o.storages.RDBStorage(url, heartbeat_interval=heartbeat, grace_period=3 * heartbeat,
+                                             heartbeat_stale_trial_callback=retry_once())
+        except ImportError as e:
+            raise SearchError(f"--storage {url.split(':')[0]}: a database driver is missing ({e}); "
+                              f"{INSTALL} installs PostgreSQL's") from None
+        except Exception as e:   # sqlalchemy's OperationalError...: one line, the server's words
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if "duplicate" in first or "already exists" in first:   # workers creating the tables
+                time.sleep(0.5 + attempt)                           # at once: one wins, load it
+                continue
+            raise SearchError(f"--storage {url}: cannot open the study database: {first}") from None
+    raise SearchError(f"--storage {url}: cannot create the study tables: {first}")
+
+
+def retry_once():
+    """Optuna's callback that enqueues a dead worker's trial again, once (without what the dead
+    run recorded: its worker, folder, iterations)."""
+    import copy
+
+    from optuna import storages
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cls = getattr(storages, "RetryHeartbeatStaleTrialCallback", None) or storages.RetryFailedTrialCallback
+        retry = cls(max_retry=1)
+
+    def call(study, trial):
+        trial = copy.copy(trial)
+        trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k not in RUN_ATTRS}
+        retry(study, trial)
+    return call
 
 
 def sampler(name: str, seed, space):
@@ -125,20 +152,23 @@ def load(url, name, out=None, direction=None, heartbeat: int = 60, **kw):
     return study
 
 
-def fail_dead(study) -> None:
-    """Fail (and retry once) the running trials whose worker is gone: stale heartbeats, or a
-    worker on this host whose process no longer exists."""
+def fail_dead(study, grace: float = 180) -> None:
+    """Fail (and retry once) the running trials whose worker is gone: stale heartbeats, a
+    worker on this host whose process no longer exists, or none named ``grace`` s after start."""
     o = optuna()
-    from optuna.storages import RetryFailedTrialCallback
     from optuna.trial import TrialState
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", o.exceptions.ExperimentalWarning)
         o.storages.fail_stale_trials(study)
     host = socket.gethostname()
+    now = datetime.datetime.now()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         who, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
-        if who != host or not pid.isdigit() or _alive(int(pid)):
+        if not who:       # killed between ask and saying who it is: dead once a grace has passed
+            if (now - t.datetime_start).total_seconds() < grace:
+                continue
+        elif who != host or not pid.isdigit() or _alive(int(pid)):
             continue
         try:
             won = study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
@@ -146,7 +176,7 @@ def fail_dead(study) -> None:
             won = False
         if won:
             log.info("Trial %d: its worker (process %s) is gone; failed, retried once", t.number, pid)
-            RetryFailedTrialCallback(max_retry=1)(study, study._storage.get_trial(t._trial_id))
+            retry_once()(study, study._storage.get_trial(t._trial_id))
 
 
 def _alive(pid: int) -> bool:
