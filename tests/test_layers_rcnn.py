@@ -17,9 +17,10 @@ import torch
 
 import brewnet as caffe
 from brewnet.layers.rcnn import generate_anchors
-from tests.helpers import gradcheck_layer, make_layer
+from tests.helpers import VENDORED, gradcheck_layer, make_layer
 
 F32 = np.float32
+VENDORED_PY = VENDORED / "forks" / "py_faster_rcnn"
 
 
 def c_round(v):
@@ -341,3 +342,47 @@ def test_dropout_scale_train_false_scales_test_output():
     assert set(y.unique().tolist()) == {0.0, 2.0}
     layer, _ = make_layer(p.replace("false", "true"), [(1000,)])
     assert (layer.forward([x])[0] == 2).all()
+
+
+# -- py-faster-rcnn's own Python layer as the reference ------------------------------------
+PY_SHIMS = {   # what py-faster-rcnn's lib provides around its proposal layer, minimal
+    "caffe.py": "from brewnet import Layer  # noqa: F401\n",
+    "fast_rcnn/__init__.py": "",
+    "fast_rcnn/config.py": (
+        "class _C(dict):\n    __getattr__ = dict.__getitem__\n"
+        "TRAIN = _C(RPN_PRE_NMS_TOP_N=12000, RPN_POST_NMS_TOP_N=2000, RPN_NMS_THRESH=0.7, RPN_MIN_SIZE=16)\n"
+        "TEST = _C(RPN_PRE_NMS_TOP_N=6000, RPN_POST_NMS_TOP_N=300, RPN_NMS_THRESH=0.7, RPN_MIN_SIZE=16)\n"
+        # str(phase) is 'TRAIN'/'TEST' in the fork's pycaffe, '0'/'1' here
+        "cfg = _C(TRAIN=TRAIN, TEST=TEST, **{'0': TRAIN, '1': TEST})\n"),
+    "fast_rcnn/nms_wrapper.py": "from py_cpu_nms import py_cpu_nms as nms  # noqa: F401\n",
+    "rpn/__init__.py": "",
+}
+
+
+def test_builtin_proposal_equals_py_faster_rcnns_python_layer(tmp_path, monkeypatch):
+    # py-faster-rcnn's lib/rpn/proposal_layer.py itself (tests/data/forks/py_faster_rcnn, py3
+    # print/xrange/yaml edits only), run through brewnet's Python layer, against the built-in.
+    src = VENDORED_PY
+    for rel, text in PY_SHIMS.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    for name, dest in (("proposal_layer.py", "rpn"), ("generate_anchors.py", "rpn"),
+                       ("bbox_transform.py", "fast_rcnn"), ("py_cpu_nms.py", ".")):
+        (tmp_path / dest / name).write_text((src / name).read_text())
+    for p in (tmp_path, tmp_path / "rpn"):
+        monkeypatch.syspath_prepend(str(p))
+    for m in [m for m in sys.modules if m == "caffe" or m.split(".")[0] in ("rpn", "fast_rcnn")]:
+        monkeypatch.delitem(sys.modules, m)
+    pytest.importorskip("yaml")
+    s, d, _ = rpn_inputs(9, h=12, w=14)
+    fork = caffe.Net(rpn_net(PY_PROPOSAL, h=12, w=14), caffe.TEST)
+    assert sys.modules["rpn.proposal_layer"].__file__.startswith(str(tmp_path))   # the fork's own ran
+    ours = caffe.Net(rpn_net('type: "Proposal" proposal_param { feat_stride: 16 }', h=12, w=14), caffe.TEST)
+    for net in (fork, ours):
+        net.forward(s=s, d=d, im=np.array([[150, 200, 1.5]], F32))
+    assert fork.blobs["rois"].data.shape[0] > 10
+    np.testing.assert_array_equal(ours.blobs["rois"].data, fork.blobs["rois"].data)
+    np.testing.assert_array_equal(ours.blobs["sc"].data, fork.blobs["sc"].data)
+    monkeypatch.undo()
+    for m in [m for m in sys.modules if m == "caffe" or m.split(".")[0] in ("rpn", "fast_rcnn")]:
+        del sys.modules[m]

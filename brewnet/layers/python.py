@@ -124,7 +124,9 @@ class PythonLayer(_Layer):
             return
         self.user = cls(self.param)
         self.user.blobs = BlobVec(self)
-        self.user.param_str, self.user.phase = p.param_str, self.phase
+        # param_str_: the name older pycaffe (py-faster-rcnn's caffe-fast-rcnn) gave it
+        self.user.param_str = self.user.param_str_ = p.param_str
+        self.user.phase = self.phase
         bottom = [Blob(torch.zeros(tuple(s))) for s in bottom_shapes]
         self.tops = [Blob(torch.zeros(0)) for _ in self.param.top]
         self.user.setup(bottom, self.tops)
