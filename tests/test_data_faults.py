@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -36,28 +36,49 @@ layer {{ name: "data" type: "Data" top: "data" top: "label"
   data_param {{ source: "{source}" batch_size: {batch} backend: LMDB }} }}"""
 
 
-# A fresh process: on the old code the read dies by signal, which must fail the test, not pytest.
-_READ = """
-import sys
-from brewnet import Net
-net = Net(sys.argv[1])
-for _ in range(10):
-    net.forward()
-"""
+def _in_child(fn) -> tuple[int, str]:
+    """Run ``fn`` in a forked child (on the old code the read dies by signal, which must fail
+    the test, not pytest): (exit status or -signal, the error message it raised)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                   # the child: never returns
+        os.close(r)
+        code, text = 0, b""
+        try:
+            fn()
+        except BaseException as e:                 # noqa: BLE001  (reported to the parent)
+            code, text = 1, f"{type(e).__name__}: {e}".encode()
+        os.write(w, text)
+        os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        text = f.read().decode()
+    for _ in range(600):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the child hung")
+    return (os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)), text
 
 
 def test_truncated_lmdb_is_an_error_naming_the_file(tmp_path):
     db = _lmdb(tmp_path / "cut_lmdb")
     data = os.path.join(db, "data.mdb")
     os.truncate(data, os.path.getsize(data) // 2)
-    proto = tmp_path / "net.prototxt"
-    proto.write_text(_data_net(db))
-    p = subprocess.run([sys.executable, "-c", _READ, str(proto)], capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 1, f"killed by signal {-p.returncode}" if p.returncode < 0 else p.stderr
-    last = p.stderr.strip().splitlines()[-1]
-    assert "data.mdb: the LMDB is truncated" in last and "Layer 'data' (type Data)" in last
-    assert "cut_lmdb" in last
+
+    def read():
+        net = Net(_data_net(db))
+        for _ in range(10):
+            net.forward()
+
+    code, text = _in_child(read)
+    assert code == 1, f"killed by signal {-code}" if code < 0 else text
+    assert text.startswith("LayerError: Layer 'data' (type Data)")
+    assert "cut_lmdb/data.mdb: the LMDB is truncated" in text
 
 
 def test_truncated_single_file_lmdb(tmp_path):
