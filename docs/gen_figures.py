@@ -1,6 +1,6 @@
 """Regenerate the pictures of the documentation (docs/figures/) with the commands the pages show.
 
-    python docs/gen_figures.py [--log examples/mnist/lenet_train.log] [--work DIR]
+    python docs/gen_figures.py [--log examples/mnist/lenet_train.log] [--work DIR] [--only NAME,...]
 
 Every picture is drawn by a brewnet command from the shared models and data (``$BREWNET_SHARED``,
 default ``../shared`` beside the checkout):
@@ -35,6 +35,7 @@ LENET = TRAINED / "lenet_mnist_ethereon" / "examples" / "mnist" / "lenet_iter_10
 NSFW = TRAINED / "open_nsfw"
 C10 = TRAINED / "everpeace_caffe_2014_v1format" / "examples" / "cifar10"
 IMAGES = SHARED / "caffe-models" / "images"
+FIGURES = ("train", "draw", "filters", "heatmap", "video")
 
 
 def brewnet(*args: str) -> None:
@@ -99,27 +100,40 @@ def main(argv=None) -> int:
     ap.add_argument("--log", type=Path, help="the main job's training log (default: "
                     "examples/mnist/lenet_train.log if it exists, else a short run)")
     ap.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
+    ap.add_argument("--only", default=",".join(FIGURES), help=f"some of {','.join(FIGURES)} (default: all)")
     args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    if only - set(FIGURES):
+        ap.error(f"--only: unknown {sorted(only - set(FIGURES))}; known: {','.join(FIGURES)}")
     if not MNIST.exists():
         sys.exit(f"gen_figures: the shared data is not at {SHARED} (set BREWNET_SHARED)")
     OUT.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="brewnet-figures-"))
     work.mkdir(parents=True, exist_ok=True)
     log = args.log or (ROOT / "examples/mnist/lenet_train.log")
-    training_curve(log if log.exists() else None, work)
-    brewnet("draw", "examples/mnist/lenet_train_test.prototxt", OUT / "lenet_net.png", "--rankdir", "LR")
-    net = lenet_on(mnist_lmdb(work), work)
-    for blob in ("conv1", "conv2"):
-        brewnet("filters", "--model", net, "--weights", LENET, "--blob", blob, "--images", "2000",
-                "--out", work / f"filters_{blob}")
-        shutil.copy(work / f"filters_{blob}" / f"{blob}_overview.png", OUT / f"filters_{blob}.png")
+    if "train" in only:
+        training_curve(log if log.exists() else None, work)
+    if "draw" in only:
+        brewnet("draw", "examples/mnist/lenet_train_test.prototxt", OUT / "lenet_net.png", "--rankdir", "LR")
+    if "filters" in only:
+        net = lenet_on(mnist_lmdb(work), work)
+        for blob in ("conv1", "conv2"):
+            brewnet("filters", "--model", net, "--weights", LENET, "--blob", blob, "--images", "2000",
+                    "--out", work / f"filters_{blob}")
+            shutil.copy(work / f"filters_{blob}" / f"{blob}_overview.png", OUT / f"filters_{blob}.png")
+    if "heatmap" in only:
+        heatmap(work)
+    if "video" in only:
+        video_frame(work)
+    print(f"figures in {OUT}")
+    return 0
+
+
+def heatmap(work: Path) -> None:
     brewnet("heatmap", "--model", NSFW / "deploy.prototxt", "--weights", NSFW / "resnet_50_1by2_nsfw.caffemodel",
             "--blob", "eltwise_stage3_block2", "--images", IMAGES / "chelsea.png", "--mean", "104,117,123",
             "--out", work / "heatmap")
     shutil.copy(work / "heatmap" / "heatmap_0000.png", OUT / "heatmap_chelsea.png")
-    video_frame(work)
-    print(f"figures in {OUT}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -129,3 +129,12 @@ def test_marked_block_runs(page, lang, body, trained_lenet):
         cmd = ["bash", "-euo", "pipefail", "-c", body]
     r = subprocess.run(cmd, cwd=trained_lenet, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"{page.relative_to(ROOT)}:\n{body}\n--- stderr:\n{r.stderr[-3000:]}"
+
+
+def test_every_extra_the_docs_install_exists():
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = {e for page in PAGES for group in re.findall(r'\.\[([a-z,]+)\]', page.read_text())
+             for e in group.split(",")}
+    assert named and named <= extras, f"the docs install extras pyproject lacks: {sorted(named - extras)}"
