@@ -9,7 +9,8 @@ TPE, ``--trials`` trials in groups of ``--group``, the median pruner, the object
 accuracy over all 10,000 test images (test_iter 100 x 100) every ``--test-interval`` iterations,
 each trial ``--iters`` iterations at most. Then each trial again, alone, one after another, for
 the iterations it ran in the search (a pruned one stops where it was pruned): the wall time the
-search's groups saved. ``--test-iter`` below 100 tests on the first 100 x N test images. Prints both tables and writes the search's (plots, best) under ``--out``.
+search's groups saved. ``--test-iter`` below 100 tests on the first 100 x N test images.
+Prints both tables and writes the search's (plots, best) under ``--out``.
 """
 from __future__ import annotations
 

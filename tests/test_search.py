@@ -300,3 +300,20 @@ def postgres():
 
 def test_two_workers_on_postgresql(solver_file, tmp_path, postgres):
     two_workers(solver_file, tmp_path, postgres)
+
+
+def test_silent_worker_on_rdb_storage_is_failed_and_retried(tmp_path):
+    """A worker elsewhere stops sending heartbeats mid-trial: its trial is failed after the
+    grace period and enqueued again, once (Optuna's heartbeat and retry)."""
+    study = st.load(f"sqlite:///{tmp_path / 's.db'}", "hb", direction="maximize", heartbeat=1)
+    trial = study.ask()
+    trial.suggest_float("base_lr", 0.01, 0.1)
+    trial.set_user_attr("worker", "another-host:1")       # not this host's: only heartbeats tell
+    study._storage.record_heartbeat(trial._trial_id)
+    st.fail_dead(study, grace=3)
+    assert study.trials[0].state.name == "RUNNING"
+    time.sleep(3.5)
+    st.fail_dead(study, grace=3)
+    first, retry = study.trials
+    assert first.state.name == "FAIL" and retry.state.name == "WAITING"
+    assert retry.params == first.params and "worker" not in retry.user_attrs

@@ -72,7 +72,7 @@ class Group:
     of every member still in; ``drop(i)`` takes member i out; ``done(i)``: solved, last test run."""
 
     def __init__(self, members, device=None, fuse=None, exact=True):
-        from .fused import FuseError, FusedSolvers
+        from .fused import FusedSolvers, FuseError
         from .together import TrainTogether
 
         self.members = members
@@ -208,7 +208,7 @@ class Search:
                 self.study.tell(trial, state=TrialState.FAIL)
                 return None
         if self.seed is not None and self.sampler_name is not None:   # (seed, number) hashed:
-            import numpy as np                                        # nearby seeds draw alike
+            import numpy as np  # nearby seeds draw alike
 
             per = int(np.random.SeedSequence([self.seed, trial.number]).generate_state(1)[0])
             self.study.sampler = st.sampler(self.sampler_name, per, self.space)

@@ -64,7 +64,7 @@ def storage(url: str | None, out: str, heartbeat: int = 60):
         path = os.path.join(out, "study.journal") if url is None else url.removeprefix("journal:")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         return o.storages.JournalStorage(JournalFileBackend(path))
-    if not url.split(":", 1)[0].split("+")[0] in ("sqlite", "postgresql", "mysql"):
+    if url.split(":", 1)[0].split("+")[0] not in ("sqlite", "postgresql", "mysql"):
         raise SearchError(f"--storage '{url}': expected sqlite:///FILE, postgresql://..., "
                           "mysql://... or a .journal file")
     for attempt in range(5):
@@ -180,14 +180,12 @@ def fail_dead(study, grace: float = 180) -> None:
 
 
 def _alive(pid: int) -> bool:
+    from ..proto.io import _pid_alive
+
     if pid == os.getpid():
         return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not _pid_alive(pid):
         return False
-    except PermissionError:
-        return True
     try:                                 # a zombie (killed, not yet reaped) is gone too
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
