@@ -75,33 +75,65 @@ def test_faster_rcnn_zf_runs_its_python_proposal_on_the_builtin():
     assert drop6.dropout_param.scale_train is False   # parsed; its TEST scaling: test_layers_rcnn
 
 
-def test_yolov2_darknet19_passthrough_with_reorg_matches_opencv(tmp_path):
+def yolo2_ref(v, p):
+    """MobileNet-YOLO's YoloDetectionOutputLayer::Forward_cpu candidates, element by element:
+    (label, score, xmin, ymin, xmax, ymax) before its sort and NMS."""
+    s = v.shape[-1]
+    v = v.reshape(p.num_box, 5 + p.num_classes, s, s).astype(np.float64)
+    out = []
+    for j in range(s):
+        for i in range(s):
+            for n in range(p.num_box):
+                t = v[n, :, j, i]
+                sig = 1 / (1 + np.exp(-t[:5]))
+                e = np.exp(t[5:] - t[5:].max())
+                prob = e / e.sum()
+                c = int(np.argmax(prob))
+                score = sig[4] * prob[c]
+                if score >= p.confidence_threshold:
+                    x, y = (i + sig[0]) / s, (j + sig[1]) / s
+                    w, h = np.exp(t[2]) * p.biases[2 * n] / s, np.exp(t[3]) * p.biases[2 * n + 1] / s
+                    out.append((c + 1, score, x - w / 2, y - h / 2, x + w / 2, y + h / 2))
+    return np.array(out)
+
+
+def test_yolov2_darknet19_passthrough_and_detections(tmp_path):
     cv2 = pytest.importorskip("cv2")
     # The real prototxt's layers from conv13 and conv20 on (the passthrough: Concat, conv21,
-    # Reorg, Concat, conv22, conv23) at an 8x8 / 4x4 grid; its YoloDetectionOutput head (a
-    # MobileNet-YOLO type brewnet does not have) left off. The backbone is plain Caffe.
-    src = (FORKS / "yolov2_darknet19_deploy.prototxt").read_text()
-    head = read_net(src[: src.rindex("layer {", 0, src.index('type: "YoloDetectionOutput"'))])
+    # Reorg, Concat, conv22, conv23, YoloDetectionOutput) at an 8x8 / 4x4 grid; the backbone
+    # before them is plain Caffe. OpenCV (no YoloDetectionOutput) checks up to conv23.
+    head = read_net(str(FORKS / "yolov2_darknet19_deploy.prototxt"))
     text = subnet(head, {"conv13": (1, 512, 8, 8), "conv20": (1, 1024, 4, 4)}, "concat1")
     net = caffe.Net(text, caffe.TEST)
-    assert "Reorg" in {l.type for l in net.layer_list}
+    assert {"Reorg", "YoloDetectionOutput"} <= {l.type for l in net.layer_list}
     assert net.blobs["reorg1"].data.shape == (1, 256, 4, 4)
     rng = np.random.default_rng(1)
     fill(net, rng, 0.02)
+    # conv23's objectness and first-class biases up, so that many boxes pass the 0.3 threshold
+    net.params["conv23_indoor"][1].data[4::25] = net.params["conv23_indoor"][1].data[5::25] = 3
     x = {"conv13": rng.standard_normal((1, 512, 8, 8)).astype(F32),
          "conv20": rng.standard_normal((1, 1024, 4, 4)).astype(F32)}
     net.forward(**x)
-    last = read_net(text).layer[-1]
-    (tmp_path / "y.prototxt").write_text(text)
+    spec = read_net(text)
+    conv23, det = spec.layer[-2], spec.layer[-1]
+    del spec.layer[-1]
+    (tmp_path / "y.prototxt").write_text(text_format.MessageToString(spec))
     net.save(str(tmp_path / "y.caffemodel"))
     cv = cv2.dnn.readNetFromCaffe(str(tmp_path / "y.prototxt"), str(tmp_path / "y.caffemodel"))
     for k, v in x.items():
         cv.setInput(v, k)
-    theirs = cv.forward(last.name)
-    ours = net.blobs[last.top[0]].data
+    theirs = cv.forward(conv23.name)
+    ours = net.blobs[conv23.top[0]].data
     assert ours.shape == theirs.shape == (1, 125, 4, 4)
     # sums of ~10^4 products in another order, over a few layers: test_opencv_oracle's ATOL_MODEL
     assert np.abs(ours - theirs).max() <= 2e-4 * max(1, np.abs(theirs).max())
+    ref = yolo2_ref(ours, det.yolo_detection_output_param)
+    out = net.blobs[det.top[0]].data.reshape(-1, 7)
+    assert len(ref) > 1 and 0 < len(out) < len(ref)   # NMS removed overlapping ones
+    assert (out[:, 0] == 0).all() and (np.diff(out[:, 2]) <= 0).all()
+    assert out[0, 2] == pytest.approx(ref[:, 1].max(), rel=1e-6)
+    for row in out:
+        assert (np.abs(ref - row[1:]).max(1) < 1e-4).any(), row
 
 
 def test_pspnet_pyramid_head_builds_with_the_forks_shapes_and_runs():

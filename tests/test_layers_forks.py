@@ -211,3 +211,20 @@ def test_yolov3_detection_output_by_hand():
                                [[0, 1, 1, 0.5, -0.5, 1.0, 1.5], [0, 2, 0.5, 0.5, -0.5, 1.0, 1.5]], atol=1e-6)
     (none,) = layer.forward([torch.zeros(1, 7, 1, 2)])
     assert none.tolist() == [[[[0, -1, -1, -1, -1, -1, -1]]]]
+
+
+def test_yolo_detection_output_by_hand():
+    # YOLOv2: 2x2 grid, one anchor of 1 x 2 cells, 2 classes. Cell (row 1, column 0): objectness
+    # and class-0 logits large (score ~1); the rest: obj 0.5 x softmax 0.5 = 0.25 (< 0.3).
+    layer, tops = make_layer('type: "YoloDetectionOutput" top: "d" yolo_detection_output_param { '
+                             'num_classes: 2 num_box: 1 confidence_threshold: 0.3 biases: 1 biases: 2 }',
+                             [(1, 7, 2, 2)])
+    assert tops == [(1, 1, 1, 7)]
+    x = torch.zeros(1, 7, 2, 2)
+    x[0, 4, 1, 0] = x[0, 5, 1, 0] = 100.0
+    (d,) = layer.forward([x])
+    # x = (0 + 0.5) / 2, y = (1 + 0.5) / 2, w = 1 / 2, h = 2 / 2
+    np.testing.assert_allclose(d.reshape(-1, 7).numpy(), [[0, 1, 1, 0.0, 0.25, 0.5, 1.25]], atol=1e-6)
+    with pytest.raises(caffe.layers.LayerError, match="S, S"):
+        make_layer('type: "YoloDetectionOutput" top: "d" yolo_detection_output_param { num_classes: 2 '
+                   'num_box: 1 biases: 1 biases: 2 }', [(1, 7, 2, 3)])

@@ -45,6 +45,7 @@ NUMPY_REFERENCE = {
     "Reorg": ["test_layers_forks.py::test_reorg_is_the_forks_index_rule"],
     "Region": ["test_layers_forks.py::test_region_outputs_by_hand"],
     "Yolov3DetectionOutput": ["test_layers_forks.py::test_yolov3_detection_output_by_hand"],
+    "YoloDetectionOutput": ["test_layers_forks.py::test_yolo_detection_output_by_hand"],
 }
 
 

@@ -119,6 +119,83 @@ def _center_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return inter / (a[2] * a[3] + b[:, 2] * b[:, 3] - inter)
 
 
+def yolo_output(boxes, classes, scores, nms_threshold: float) -> torch.Tensor:
+    """The MobileNet-YOLO detection outputs' top from candidates in generation order (centre-size
+    boxes, 0-based classes): sorted by score (ties keep that order), class-agnostic NMS (IoU >=
+    nms_threshold goes), rows [0, class + 1, score, xmin, ymin, xmax, ymax]; none: [0, -1 ...]."""
+    if not len(boxes):
+        return torch.tensor([[[[0] + [-1] * 6]]], dtype=torch.float32)
+    scores = np.asarray(scores, np.float32)
+    order = np.argsort(-scores, kind="stable")
+    boxes, scores, classes = np.stack(boxes)[order], scores[order], np.asarray(classes)[order]
+    gone = np.zeros(len(boxes), bool)
+    for i in range(len(boxes) - 1):
+        if not gone[i]:
+            gone[i + 1:] |= _center_iou(boxes[i], boxes[i + 1:]) >= np.float32(nms_threshold)
+    b = boxes[~gone]
+    out = np.stack([np.zeros(len(b)), classes[~gone] + 1, scores[~gone], b[:, 0] - b[:, 2] / 2,
+                    b[:, 1] - b[:, 3] / 2, b[:, 0] + b[:, 2] / 2, b[:, 1] + b[:, 3] / 2], 1)
+    return torch.from_numpy(out.astype(np.float32)).reshape(1, 1, -1, 7)
+
+
+@register("YoloDetectionOutput")
+class YoloDetectionOutput(Layer):
+    """YOLOv2 detections (eric612/MobileNet-YOLO's YoloDetectionOutput).
+
+    Bottoms: one or two square maps (1, num_box (5 + K), S, S). Top: (1, 1, D, 7) as
+    Yolov3DetectionOutput's. For anchor n at cell (row j, column i): x = (i + sigmoid(tx)) / S,
+    y = (j + sigmoid(ty)) / S, w = exp(tw) biases[2n] / S, h = exp(th) biases[2n + 1] / S; the
+    best class of the softmax (the first of equal ones) scores sigmoid(to) * its probability,
+    kept when >= confidence_threshold; then sorted and class-agnostic NMS.
+    Params: yolo_detection_output_param num_classes, num_box, confidence_threshold,
+    nms_threshold, biases (side, coords and label_map_file change nothing). No gradient.
+    """
+
+    min_bottoms = 1
+    max_bottoms = 2
+    exact_tops = 1
+    in_place_ok = False
+
+    def allow_backward(self, i):
+        return False
+
+    def setup(self, bottom_shapes):
+        p = self.param.yolo_detection_output_param
+        if len(p.biases) < 2 * p.num_box:
+            raise self.fail(f"biases needs 2 * num_box = {2 * p.num_box} values, got {len(p.biases)}")
+        self.p = p
+
+    def reshape(self, bottom_shapes):
+        p = self.p
+        for s in bottom_shapes:
+            if len(s) != 4 or s[0] != 1 or s[1] != p.num_box * (5 + p.num_classes) or s[2] != s[3]:
+                raise self.fail(f"bottom {tuple(s)} must be (1, num_box * (5 + num_classes) = "
+                                f"{p.num_box * (5 + p.num_classes)}, S, S)")
+        return [(1, 1, 1, 7)]
+
+    def forward(self, bottoms):
+        p = self.p
+        boxes, classes, scores = [], [], []
+        for x in bottoms:
+            side = x.shape[-1]
+            v = x.detach().to("cpu", torch.float32).reshape(p.num_box, 5 + p.num_classes, side * side)
+            v = v.permute(2, 0, 1).numpy()                            # (cell, anchor, 5 + K)
+            sig = 1 / (1 + np.exp(-v[..., :5]))
+            prob = torch.softmax(torch.from_numpy(v[..., 5:]), -1).numpy()
+            best = prob.argmax(-1)                                      # the first of equal maxima
+            conf = sig[..., 4] * prob.max(-1)
+            j, i = np.divmod(np.arange(side * side), side)
+            bias = np.asarray(p.biases, np.float32)[: 2 * p.num_box].reshape(-1, 2)
+            box = np.stack([(i[:, None] + sig[..., 0]) / side, (j[:, None] + sig[..., 1]) / side,
+                            np.exp(v[..., 2]) * bias[:, 0] / side, np.exp(v[..., 3]) * bias[:, 1] / side],
+                           -1).astype(np.float32)
+            keep = conf >= np.float32(p.confidence_threshold)        # (cell, anchor), generation order
+            boxes += list(box[keep])
+            classes += list(best[keep])
+            scores += list(conf[keep])
+        return [yolo_output(boxes, classes, scores, p.nms_threshold)]
+
+
 @register("Yolov3DetectionOutput")
 class Yolov3DetectionOutput(Layer):
     """YOLOv3 detections (eric612/MobileNet-YOLO's Yolov3DetectionOutput).
@@ -181,23 +258,5 @@ class Yolov3DetectionOutput(Layer):
                 for s, c in zip(*np.nonzero(score.T > np.float32(p.confidence_threshold))):
                     rows.append((t, s, n, c, box[s], score[c, s]))
         rows.sort(key=lambda r: r[:4])   # the port's generation order: scale, cell, anchor, class
-        return [self._nms_rows(rows)]
-
-    def _nms_rows(self, rows) -> torch.Tensor:
-        if not rows:
-            return torch.tensor([[[[0] + [-1] * 6]]], dtype=torch.float32)
-        boxes = np.stack([r[4] for r in rows])
-        scores = np.array([r[5] for r in rows], np.float32)
-        order = np.argsort(-scores, kind="stable")
-        boxes, scores = boxes[order], scores[order]
-        classes = np.array([r[3] for r in rows])[order]
-        gone = np.zeros(len(boxes), bool)
-        for i in range(len(boxes) - 1):
-            if not gone[i]:
-                gone[i + 1:] |= _center_iou(boxes[i], boxes[i + 1:]) >= np.float32(self.p.nms_threshold)
-        keep = ~gone
-        b = boxes[keep]
-        out = np.stack([np.zeros(keep.sum()), classes[keep] + 1, scores[keep],
-                        b[:, 0] - b[:, 2] / 2, b[:, 1] - b[:, 3] / 2,
-                        b[:, 0] + b[:, 2] / 2, b[:, 1] + b[:, 3] / 2], 1)
-        return torch.from_numpy(out.astype(np.float32)).reshape(1, 1, -1, 7)
+        return [yolo_output([r[4] for r in rows], [r[3] for r in rows], [r[5] for r in rows],
+                            p.nms_threshold)]
