@@ -60,11 +60,12 @@ def test_interp_matches_the_fork_loop(param, hw, out):
     np.testing.assert_allclose(y.numpy(), interp_ref(crop, *out), rtol=0, atol=3e-6)
 
 
-def test_interp_size_from_a_second_bottom_and_gradient():
-    layer, tops = make_layer('type: "Interp" top: "y"', [(1, 2, 3, 4), (1, 5, 7, 6)])
+def test_interp_gradient_and_errors():
+    layer, tops = make_layer('type: "Interp" top: "y" interp_param { height: 7 width: 6 }', [(1, 2, 3, 4)])
     assert tops == [(1, 2, 7, 6)]
-    x = torch.randn(1, 2, 3, 4, dtype=torch.float64)
-    assert gradcheck_layer(layer, [x, torch.zeros(1, 5, 7, 6, dtype=torch.float64)], grad_bottoms=[0])
+    assert gradcheck_layer(layer, [torch.randn(1, 2, 3, 4, dtype=torch.float64)])
+    with pytest.raises(caffe.layers.LayerError, match="needs zoom_factor"):
+        make_layer('type: "Interp" top: "y"', [(1, 1, 4, 4)])
     with pytest.raises(caffe.layers.LayerError, match="non-positive pad_beg"):
         make_layer('type: "Interp" top: "y" interp_param { zoom_factor: 2 pad_beg: 1 }', [(1, 1, 4, 4)])
 

@@ -14,15 +14,14 @@ from .registry import register
 class Interp(Layer):
     """Bilinear resize with corners aligned (DeepLab v2's caffe_cpu_interp2).
 
-    Bottoms: x (N, C, H, W), optionally a blob whose H, W give the output size. Top: (N, C, H', W').
+    Bottom: x (N, C, H, W). Top: (N, C, H', W').
     Params: interp_param. The input is first cropped by -pad_beg / -pad_end (both <= 0) to
     (Hc, Wc); then H' = (Hc - 1) / shrink + 1 with shrink_factor alone, Hc + (Hc - 1)(zoom - 1)
     with zoom_factor alone, both in that order, or height/width. Source row of output row i:
     i * (Hc - 1) / (H' - 1) in float32. Gradient: the adjoint of the interpolation.
     """
 
-    min_bottoms = 1
-    max_bottoms = 2
+    exact_bottoms = 1
     exact_tops = 1
     in_place_ok = False
 
@@ -37,9 +36,7 @@ class Interp(Layer):
         n, c, h, w = bottom_shapes[0]
         hc, wc = h + p.pad_beg + p.pad_end, w + p.pad_beg + p.pad_end
         shrink, zoom = p.HasField("shrink_factor"), p.HasField("zoom_factor")
-        if len(bottom_shapes) == 2:
-            ho, wo = bottom_shapes[1][2:4]
-        elif shrink or zoom:
+        if shrink or zoom:
             if (shrink and p.shrink_factor < 1) or (zoom and p.zoom_factor < 1):
                 raise self.fail("shrink_factor and zoom_factor must be >= 1")
             ho, wo = ((hc - 1) // p.shrink_factor + 1, (wc - 1) // p.shrink_factor + 1) if shrink else (hc, wc)
@@ -48,8 +45,7 @@ class Interp(Layer):
         elif p.HasField("height") and p.HasField("width"):
             ho, wo = p.height, p.width
         else:
-            raise self.fail("interp_param needs zoom_factor, shrink_factor, or height and width "
-                            "(or a second bottom giving the size)")
+            raise self.fail("interp_param needs zoom_factor, shrink_factor, or height and width")
         if hc <= 0 or wc <= 0 or ho <= 0 or wo <= 0:
             raise self.fail(f"input {hc}x{wc} after cropping and output {ho}x{wo} must be positive")
         return [(n, c, ho, wo)]
