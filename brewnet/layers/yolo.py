@@ -138,8 +138,29 @@ def yolo_output(boxes, classes, scores, nms_threshold: float) -> torch.Tensor:
     return torch.from_numpy(out.astype(np.float32)).reshape(1, 1, -1, 7)
 
 
+class _YoloOutput(Layer):
+    """Shared by the two detection outputs: bottoms (1, num_box (5 + K), H, W), one (1, 1, D, 7)
+    top whose D is known after forward, no gradient. Subclasses set ``self.p`` in setup."""
+
+    min_bottoms = 1
+    exact_tops = 1
+    in_place_ok = False
+    square = False   # YOLOv2's output reads the width as the height too
+
+    def allow_backward(self, i):
+        return False
+
+    def reshape(self, bottom_shapes):
+        c = self.p.num_box * (5 + self.p.num_classes)
+        for s in bottom_shapes:
+            if len(s) != 4 or s[0] != 1 or s[1] != c or (self.square and s[2] != s[3]):
+                raise self.fail(f"bottom {tuple(s)} must be (1, num_box * (5 + num_classes) = {c}, "
+                                f"{'S, S' if self.square else 'H, W'})")
+        return [(1, 1, 1, 7)]
+
+
 @register("YoloDetectionOutput")
-class YoloDetectionOutput(Layer):
+class YoloDetectionOutput(_YoloOutput):
     """YOLOv2 detections (eric612/MobileNet-YOLO's YoloDetectionOutput).
 
     Bottoms: one or two square maps (1, num_box (5 + K), S, S). Top: (1, 1, D, 7) as
@@ -151,27 +172,14 @@ class YoloDetectionOutput(Layer):
     nms_threshold, biases (side, coords and label_map_file change nothing). No gradient.
     """
 
-    min_bottoms = 1
     max_bottoms = 2
-    exact_tops = 1
-    in_place_ok = False
-
-    def allow_backward(self, i):
-        return False
+    square = True
 
     def setup(self, bottom_shapes):
         p = self.param.yolo_detection_output_param
         if len(p.biases) < 2 * p.num_box:
             raise self.fail(f"biases needs 2 * num_box = {2 * p.num_box} values, got {len(p.biases)}")
         self.p = p
-
-    def reshape(self, bottom_shapes):
-        p = self.p
-        for s in bottom_shapes:
-            if len(s) != 4 or s[0] != 1 or s[1] != p.num_box * (5 + p.num_classes) or s[2] != s[3]:
-                raise self.fail(f"bottom {tuple(s)} must be (1, num_box * (5 + num_classes) = "
-                                f"{p.num_box * (5 + p.num_classes)}, S, S)")
-        return [(1, 1, 1, 7)]
 
     def forward(self, bottoms):
         p = self.p
@@ -197,7 +205,7 @@ class YoloDetectionOutput(Layer):
 
 
 @register("Yolov3DetectionOutput")
-class Yolov3DetectionOutput(Layer):
+class Yolov3DetectionOutput(_YoloOutput):
     """YOLOv3 detections (eric612/MobileNet-YOLO's Yolov3DetectionOutput).
 
     Bottoms: one per scale, (1, num_box (5 + K), H_t, W_t). Top: (1, 1, D, 7) rows [0, label
@@ -212,13 +220,6 @@ class Yolov3DetectionOutput(Layer):
     (the port writes image 0 for every detection). No gradient.
     """
 
-    min_bottoms = 1
-    exact_tops = 1
-    in_place_ok = False
-
-    def allow_backward(self, i):
-        return False
-
     def setup(self, bottom_shapes):
         p = self.param.yolov3_detection_output_param
         if p.gaussian_box:
@@ -231,14 +232,6 @@ class Yolov3DetectionOutput(Layer):
         if 2 * (max(p.mask) + 1) > len(p.biases):
             raise self.fail(f"mask {list(p.mask)} names anchors beyond the {len(p.biases) // 2} in biases")
         self.p = p
-
-    def reshape(self, bottom_shapes):
-        p = self.p
-        for s in bottom_shapes:
-            if len(s) != 4 or s[0] != 1 or s[1] != p.num_box * (5 + p.num_classes):
-                raise self.fail(f"bottom {tuple(s)} must be (1, num_box * (5 + num_classes) = "
-                                f"{p.num_box * (5 + p.num_classes)}, H, W)")
-        return [(1, 1, 1, 7)]
 
     def forward(self, bottoms):
         p = self.p
