@@ -87,3 +87,13 @@ def pytest_collection_modifyitems(config, items):
         mark = item.get_closest_marker("cpu_only")
         if mark is not None:
             item.add_marker(pytest.mark.skip(reason=f"CPU only: {mark.args[0]}"))
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_switch_device():
+    """A test that calls pycaffe's set_mode_cpu() must not move the rest of the session."""
+    yield
+    if device_name() == "cuda":
+        from brewnet import runtime
+
+        runtime.set_default_device(True, 0)

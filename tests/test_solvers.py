@@ -497,7 +497,7 @@ def test_lenet_mnist_loss_falls():
                            [[(64, 1, 28, 28), (64,)], [(100, 1, 28, 28), (100,)]])
     param.ClearField("net")
     param.net_param.CopyFrom(net)
-    param.solver_mode = pb.SolverParameter.CPU
+    param.ClearField("solver_mode")      # the session's device (the CPU, or the device switch's)
     param.max_iter, param.test_iter[0], param.test_interval, param.snapshot = 300, 10, 300, 0
     param.snapshot_after_train = False
     param.random_seed = 1701

@@ -172,6 +172,8 @@ def test_loss_diff_written_after_capture_is_seen(monkeypatch):
     assert_same(eager, graph)
 
 
+@pytest.mark.cpu_only("a live numpy view: on CUDA a blob's view is a host mirror refreshed when "
+                     "read (Caffe's SyncedMemory)")
 def test_lazy_side_top_follows_reads_and_views(monkeypatch):
     monkeypatch.setenv("BREWNET_STEP_GRAPH", "0")
     eager = make_solver(LOGREG, feed=logreg_feed())
