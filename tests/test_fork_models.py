@@ -282,3 +282,49 @@ def test_mobilenet_yolov3_lite_runs_depthwise_and_yolo_output(tmp_path):
     assert out[0, 2] == pytest.approx(ref[:, 1].max(), rel=1e-6)
     for row in out:
         assert (np.abs(ref - row[1:]).max(1) < 1e-4).any(), row
+
+
+RFCN = FORKS / "rfcn_resnet50_test_agnostic.prototxt"
+
+
+def test_rfcn_heads_run_with_the_builtin_proposal_and_psroi_pooling():
+    # py-R-FCN's ResNet-50 test net from res4f / res5c on (the backbone is plain Caffe): the
+    # RPN, its Python proposal layer (on the built-in Proposal), the position-sensitive heads.
+    text = subnet(read_net(str(RFCN)), {"res4f": (1, 1024, 10, 12), "res5c": (1, 2048, 10, 12),
+                                        "im_info": (1, 3)}, "rpn_conv/3x3")
+    net = caffe.Net(text, caffe.TEST)
+    assert {"Python", "PSROIPooling"} <= {l.type for l in net.layer_list}
+    rng = np.random.default_rng(6)
+    fill(net, rng, 0.01)
+    net.forward(res4f=rng.standard_normal((1, 1024, 10, 12)).astype(F32),
+                res5c=rng.standard_normal((1, 2048, 10, 12)).astype(F32),
+                im_info=np.array([[160, 192, 1]], F32))
+    r = len(net.blobs["rois"].data)
+    assert 1 < r <= 300
+    assert net.blobs["psroipooled_cls_rois"].data.shape == (r, 21, 7, 7)
+    assert net.blobs["psroipooled_loc_rois"].data.shape == (r, 8, 7, 7)
+    assert net.blobs["cls_prob"].data.shape == (r, 21) and net.blobs["bbox_pred"].data.shape == (r, 8)
+    np.testing.assert_allclose(net.blobs["cls_prob"].data.sum(1), 1, rtol=1e-5)
+
+
+def test_rfcn_head_matches_opencv(tmp_path):
+    cv2 = pytest.importorskip("cv2")
+    # The R-FCN head (conv_new_1 ... cls_prob, bbox_pred) on given rois, both sides.
+    text = subnet(read_net(str(RFCN)), {"res5c": (1, 2048, 6, 7), "rois": (5, 5)}, "conv_new_1")
+    net = caffe.Net(text, caffe.TEST)
+    rng = np.random.default_rng(7)
+    fill(net, rng, 0.02)
+    rois = np.array([[0, 0, 0, 111, 95], [0, 10, 20, 60, 70], [0, 33.3, 5.5, 90.2, 40.7],
+                     [0, 50, 50, 50, 50], [0, -8, 70, 130, 120]], F32)
+    x = rng.standard_normal((1, 2048, 6, 7)).astype(F32)
+    net.forward(res5c=x, rois=rois)
+    (tmp_path / "r.prototxt").write_text(text)
+    net.save(str(tmp_path / "r.caffemodel"))
+    cv = cv2.dnn.readNetFromCaffe(str(tmp_path / "r.prototxt"), str(tmp_path / "r.caffemodel"))
+    cv.setInput(x, "res5c")
+    cv.setInput(rois, "rois")
+    where = {lp.top[0]: lp.name for lp in read_net(text).layer}
+    for blob in ("psroipooled_cls_rois", "cls_prob", "bbox_pred"):
+        theirs = cv.forward(where[blob])
+        ours = net.blobs[blob].data
+        assert np.abs(ours - theirs.reshape(ours.shape)).max() <= 2e-4 * max(1, np.abs(theirs).max()), blob
