@@ -14,6 +14,8 @@ and the whole forward-backward is one ``CUDAGraph.replay()``:
   re-captures, as on the CPU;
 - before capture the graph runs three times on a side stream (cuBLAS/cuDNN workspaces and
   lazy initialisation happen there, not inside the capture), as torch's documentation asks;
+- K nets trained together (``brewnet.many.TrainTogether``) each get their own step graph on
+  their worker thread: K captures, each on its own stream, replayed side by side;
 - the capture is checked as the CPU one is: its first replay must give the eager step's bits
   (loss, every top, every gradient) or the eager step is kept, with a warning.
 The update (a rate that changes every iteration under most lr policies) stays eager.
@@ -54,8 +56,10 @@ class CapturedGraph:
                 fn(*self.static)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        # thread_local: a prefetch thread's own CUDA work during capture is not an error
-        with torch.no_grad(), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        # on this graph's own stream (torch's default capture stream is one per process: nets
+        # trained together capture on their worker threads at once); thread_local: another
+        # thread's CUDA work (a prefetcher, another net) during the capture is not an error
+        with torch.no_grad(), torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
             out = fn(*self.static)
         self.outs = out if isinstance(out, tuple) else (out,)
 
