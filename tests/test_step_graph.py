@@ -272,6 +272,50 @@ def test_a_replay_that_differs_at_capture_keeps_the_eager_step(monkeypatch, capl
     assert_same(eager, graph)
 
 
+class StaticMemory:
+    """A CPU stand-in for ``cuda_graph.CapturedGraph`` with its memory semantics: inputs copied
+    into static buffers, outputs handed out in memory the next call rewrites in place."""
+
+    def __init__(self, fn, xs):
+        self.fn, self.static, self.outs = fn, [x.detach().clone() for x in xs], None
+
+    def __call__(self, xs):
+        for s, x in zip(self.static, xs):
+            s.copy_(x)
+        out = self.fn(*self.static)
+        if self.outs is None:
+            self.outs = tuple(o.clone() for o in out)
+        else:
+            for o, n in zip(self.outs, out):
+                o.copy_(n)
+        return self.outs
+
+
+@pytest.mark.parametrize("net", ["logreg", "conv"])
+def test_cuda_step_graph_logic_on_cpu_static_memory(monkeypatch, tmp_path, net):
+    """CudaStepGraph's replay with outputs in static memory (rewritten by each replay, as a CUDA
+    graph's are), run on the CPU: the solver's update, the lazy side tops and the next step must
+    not read a value the following replay overwrote: the eager run's bits, step after step."""
+    from brewnet.solvers import cuda_graph, step_graph
+
+    monkeypatch.setattr(cuda_graph, "CapturedGraph", StaticMemory)
+    monkeypatch.setattr(step_graph, "StepGraph", cuda_graph.CudaStepGraph)
+    if net == "logreg":
+        def make():
+            return make_solver(LOGREG, "Nesterov", logreg_feed(), device="cpu")
+    else:
+        src = random_digits_lmdb(tmp_path / "db", 40, 12, seed=1)
+
+        def make():
+            return make_solver(conv_net(src), device="cpu")
+    eager, graph = run_both(monkeypatch, make, 25)
+    assert type(graph._graph) is cuda_graph.CudaStepGraph and graph._graph.gm is not None
+    assert isinstance(graph._graph.captured, StaticMemory)
+    assert_same(eager, graph)
+    for a, b in zip(eager.net.learnable, graph.net.learnable):
+        np.testing.assert_array_equal(host(a.grad), host(b.grad))
+
+
 def test_a_net_on_cuda_gets_the_cuda_graph_and_other_devices_are_refused():
     """The dispatch and the device refusal need no GPU: a CUDA net's StepGraph is a
     CudaStepGraph; a device without CUDA graphs is refused with its name."""
