@@ -29,6 +29,7 @@ NUMPY_REFERENCE = {
     "MultiBoxLoss": ["test_layers_detection.py::test_multibox_loss_by_hand"],  # numpy smooth-L1 + softmax NLL
     "DetectionEvaluate": ["test_layers_detection.py::test_detection_evaluate_by_hand"],
     "Python": ["test_pycaffe_extras.py::test_python_layers_chain_forward_backward"],  # Caffe's test_python_layer
+    "AnnotatedData": ["test_annotated_data.py::test_plain_records_give_their_boxes"],  # boxes vs drawn pixels
     # The forks' layers: loops written from each fork's own source, hand values, OpenCV.
     "ROIPooling": ["test_layers_rcnn.py::test_roi_pooling_matches_the_fork_loop_and_sends_gradient_to_its_argmax"],
     "PSROIPooling": ["test_layers_rcnn.py::test_psroi_pooling_matches_the_fork_loop_and_gradient"],
