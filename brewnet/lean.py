@@ -30,6 +30,7 @@ On CUDA the recorded graph (no kernel re-chosen there) is captured once more as 
 (``solvers/cuda_graph.CapturedGraph``: static input buffers, one launch a forward) and checked at
 capture: its first replay must give the recorded graph's bits, else the net stays plain. The
 capture is keyed on the addresses of the tensors the graph reads, so surgery re-captures.
+Until the GPU run has passed (``cuda_graph.DEFAULT_ON_CUDA``), only with ``BREWNET_LEAN=1`` set.
 
 On by default; ``BREWNET_LEAN=0`` keeps every forward on the plain path. Measured through
 ``Net.forward`` on one thread, interleaved with the plain path in one process (a loaded 2-core
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 import time
 
 import torch
@@ -181,7 +183,8 @@ class LeanForward:
     def eligible(self) -> bool:
         net = self.net
         return (not self.failed and env_switch("BREWNET_LEAN", "1", ("0", "1")) == "1" and net.inputs
-                and not net._needs_backward and device_refusal(net.device) is None
+                and not net._needs_backward
+                and device_refusal(net.device, asked=os.environ.get("BREWNET_LEAN", "").strip() == "1") is None
                 and not any(b._viewed("data") for b in self._middle))
 
     def run(self) -> bool:

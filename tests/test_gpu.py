@@ -129,6 +129,7 @@ def test_lean_inference_on_cuda_is_a_checked_cuda_graph(monkeypatch):
     from brewnet.proto import parse_text
 
     monkeypatch.setattr(lean, "AFTER", 1)
+    monkeypatch.setenv("BREWNET_LEAN", "1")      # asked for (cuda_graph.DEFAULT_ON_CUDA)
     net = brewnet.Net(parse_text(DEPLOY, pb.NetParameter()), brewnet.TEST, device="cuda:0")
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal((2, 3, 10, 10)).astype(np.float32) for _ in range(3)]

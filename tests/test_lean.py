@@ -105,6 +105,8 @@ def plain_forward(net, x, monkeypatch, blobs=()):
         return {k: v.copy() for k, v in net.forward(blobs=list(blobs), data=x).items()}
 
 
+@pytest.mark.cpu_only("the default: on CUDA lean is used only when asked for until the GPU run "
+                     "has passed (brewnet/solvers/cuda_graph.py DEFAULT_ON_CUDA)")
 @pytest.mark.parametrize("env,lean_on", [(None, True), ("1", True), ("0", False)])
 def test_lean_inference_default_and_override(monkeypatch, env, lean_on):
     from brewnet import lean

@@ -333,6 +333,8 @@ def test_a_net_on_cuda_gets_the_cuda_graph_and_other_devices_are_refused():
     if not torch.cuda.is_available():
         assert cuda_graph.device_refusal(torch.device("cuda:0")) == \
             "device cuda:0: no CUDA graphs there"
+    elif not cuda_graph.DEFAULT_ON_CUDA:          # until the GPU run has passed: when asked for
+        assert "only when asked for" in cuda_graph.device_refusal(torch.device("cuda:0"), asked=False)
 
 
 def test_auto_mode_waits_for_a_long_run(monkeypatch):

@@ -31,13 +31,21 @@ from .step_graph import StepGraph
 
 log = logging.getLogger("brewnet")
 WARMUP = 3      # eager runs on a side stream before capture (torch's docs use 3 for DDP/AMP)
+# No GPU was at hand when this was written: until benchmarks/gpu.sh has passed on one, CUDA
+# graphs are used only when asked for (BREWNET_STEP_GRAPH=1, BREWNET_LEAN=1), then by default
+# as on the CPU (set this True with the run's figures).
+DEFAULT_ON_CUDA = False
 
 
-def device_refusal(device: torch.device) -> str | None:
-    """Why a graph cannot be recorded for a net on ``device`` (None: it can)."""
+def device_refusal(device: torch.device, asked: bool = True) -> str | None:
+    """Why a graph cannot be recorded for a net on ``device`` (None: it can); ``asked``: the
+    user's switch asks for graphs explicitly."""
     if device.type == "cpu":
         return None
     if device.type == "cuda" and torch.cuda.is_available() and hasattr(torch.cuda, "CUDAGraph"):
+        if not (asked or DEFAULT_ON_CUDA):
+            return (f"device {device}: CUDA graphs only when asked for (BREWNET_STEP_GRAPH=1, "
+                    "BREWNET_LEAN=1) until benchmarks/gpu.sh has passed on a GPU")
         return None
     return f"device {device}: no CUDA graphs there"
 

@@ -72,7 +72,7 @@ def refusal(solver) -> str | None:
     if net.param.force_backward:
         return "force_backward"
     from .cuda_graph import device_refusal
-    why = device_refusal(net.device)
+    why = device_refusal(net.device, asked=mode() == "1")
     if why:
         return why
     if not net._needs_backward:
