@@ -280,6 +280,8 @@ def main() -> int:
     a = ap.parse_args()
     if a.child:
         import logging
+
+        import brewnet  # noqa: F401  (before torch: brewnet sets torch's thread policy on import)
         logging.getLogger("brewnet").setLevel(logging.WARNING)
         rows = (part_steps(a.device, a.nets.split(",")) if a.child == "steps"
                 else part_inference(a.device, [int(b) for b in a.batches.split(",")]))
