@@ -2,7 +2,8 @@
 
 ``docs/reference/cli.md`` holds the marker ``<!-- cli-reference -->``; at build time it is
 replaced by every command's ``--help`` text, built the way ``brewnet.cli.main`` builds its
-parser (each ``brewnet/tools`` module's ``add_arguments``), nested sub-commands included.
+parser (each ``brewnet/tools`` module's ``add_arguments``), nested sub-commands included, and the
+positional arguments of a command's ``SCRIPTS`` (``brewnet owl SCRIPT ...``).
 Nothing in the reference is written by hand, so it cannot drift from the code.
 """
 from __future__ import annotations
@@ -39,6 +40,11 @@ def cli_reference() -> str:
         p = argparse.ArgumentParser(prog=f"brewnet {name}", description=mod.HELP)
         mod.add_arguments(p)
         lines += _section(p, 2)
+        for script, positionals in getattr(mod, "SCRIPTS", {}).items():   # brewnet owl SCRIPT ...
+            sp = argparse.ArgumentParser(prog=f"brewnet {name} {script}", add_help=False)
+            for arg, kw in positionals:
+                sp.add_argument(arg, **kw)
+            lines += [f"### `{sp.prog}`", "", "```text", sp.format_usage().rstrip(), "```", ""]
     return "\n".join(lines)
 
 
