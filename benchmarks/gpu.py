@@ -236,14 +236,17 @@ def child(part: str, limit: float, a) -> tuple[str, list[str]]:
 def tool(part: str, limit: float) -> tuple[str, list[str]]:
     py = sys.executable
     if part == "many":
-        cmds = [[py, "benchmarks/many_nets.py", "--device", "cuda", "--ks", "1,2,4,8", "--nets", "lenet",
-                 "--steps", "20", "--warmup", "10"]]
+        cmds = [([py, "benchmarks/many_nets.py", "--device", "cuda", "--ks", "1,2,4,8", "--nets", "lenet",
+                  "--steps", "20", "--warmup", "10"], {})]
     else:
-        cmds = [[py, "benchmarks/serve.py", preset, *serve_model(preset), "--gpu", "0", "--requests", "300",
-                 "--concurrency", "1,32", "--body", "npy"] for preset in ("lenet", "open_nsfw")]
+        cmds = []
+        for preset in ("lenet", "open_nsfw"):
+            args, env = serve_model(preset)
+            cmds.append(([py, "benchmarks/serve.py", preset, *args, "--gpu", "0", "--requests", "300",
+                          "--concurrency", "1,32", "--body", "npy"], env))
     lines, t0, status = [], time.monotonic(), "done"
-    for cmd in cmds:
-        rc, text, s = run(cmd, limit - (time.monotonic() - t0))
+    for cmd, env in cmds:
+        rc, text, s = run(cmd, limit - (time.monotonic() - t0), env)
         lines += [ln for ln in text.splitlines() if ln.strip()][-14:]
         if rc != 0:
             status = "cut off" if rc is None else f"failed (exit {rc})"
@@ -251,22 +254,31 @@ def tool(part: str, limit: float) -> tuple[str, list[str]]:
     return f"{status} in {time.monotonic() - t0:.0f} s", lines
 
 
-def serve_model(preset: str) -> list[str]:
-    """serve.py's preset model from the shared data, or its vendored prototxt with random weights
-    saved to a temporary file (a serving run's timings do not depend on the weights)."""
+def serve_model(preset: str) -> tuple[list[str], dict]:
+    """(serve.py's extra arguments, its environment): its preset from the shared data, or, where
+    that is absent, the vendored prototxt with random weights and a random picture for its
+    request body, in a temporary folder (a serving run's timings depend on neither)."""
     import tempfile
+
+    import numpy as np
+    from PIL import Image
 
     import brewnet
 
     proto = {"lenet": "trained/lenet_mnist_ethereon/examples/mnist/lenet.prototxt",
              "open_nsfw": NSFW[0]}[preset]
-    if (SHARED / "caffe-models" / proto).exists():
-        return []
-    weights = Path(tempfile.mkdtemp()) / f"{preset}_random.caffemodel"
+    shared = SHARED / "caffe-models"
+    if (shared / proto).exists() and (shared / "images" / "coffee.png").exists():
+        return [], {}
+    tmp = Path(tempfile.mkdtemp())
+    weights = tmp / f"{preset}_random.caffemodel"
     brewnet.set_random_seed(1)
     brewnet.Net(str(MODELS / proto), brewnet.TEST, device="cpu").save(str(weights))
-    print(f"serve {preset}: random weights (no shared data here)")
-    return ["--model", str(MODELS / proto), "--weights", str(weights)]
+    (tmp / "caffe-models" / "images").mkdir(parents=True)
+    pixels = np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp / "caffe-models" / "images" / "coffee.png")
+    print(f"serve {preset}: random weights and picture (no shared data here)")
+    return ["--model", str(MODELS / proto), "--weights", str(weights)], {"BREWNET_SHARED": str(tmp)}
 
 
 def main() -> int:
