@@ -15,7 +15,7 @@ and the whole forward-backward is one ``CUDAGraph.replay()``:
 - before capture the graph runs three times on a side stream (cuBLAS/cuDNN workspaces and
   lazy initialisation happen there, not inside the capture), as torch's documentation asks;
 - K nets trained together (``brewnet.many.TrainTogether``) each get their own step graph on
-  their worker thread: K captures, each on its own stream, replayed side by side;
+  their worker thread: K captures, one at a time, each on its own stream, replayed side by side;
 - the capture is checked as the CPU one is: its first replay must give the eager step's bits
   (loss, every top, every gradient) or the eager step is kept, with a warning.
 The update (a rate that changes every iteration under most lr policies) stays eager.
@@ -24,6 +24,7 @@ The update (a rate that changes every iteration under most lr policies) stays ea
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -35,6 +36,7 @@ WARMUP = 3      # eager runs on a side stream before capture (torch's docs use 3
 # graphs are used only when asked for (BREWNET_STEP_GRAPH=1, BREWNET_LEAN=1), then by default
 # as on the CPU (set this True with the run's figures).
 DEFAULT_ON_CUDA = False
+_CAPTURING = threading.Lock()   # one capture at a time (torch.cuda.graph synchronizes the device)
 
 
 def device_refusal(device: torch.device, asked: bool = True) -> str | None:
@@ -56,17 +58,22 @@ class CapturedGraph:
     new inputs into the static buffers and replays; the outputs are the graph's own tensors."""
 
     def __init__(self, fn, xs):
-        self.static = [x.detach().clone() for x in xs]
-        side = torch.cuda.Stream(device=self.static[0].device if self.static else None)
+        self.device = next((x.device for x in xs if x.is_cuda), torch.device("cuda", torch.cuda.current_device()))
+        with _CAPTURING, torch.cuda.device(self.device):
+            self._capture(fn, [x.detach().clone() for x in xs])
+
+    def _capture(self, fn, static) -> None:
+        self.static = static
+        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
             for _ in range(WARMUP):
                 fn(*self.static)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        # on this graph's own stream (torch's default capture stream is one per process: nets
-        # trained together capture on their worker threads at once); thread_local: another
-        # thread's CUDA work (a prefetcher, another net) during the capture is not an error
+        # on this graph's own stream (torch's default capture stream is one per process);
+        # thread_local: another thread's CUDA work (a prefetcher, another net's step) during
+        # the capture is not an error
         with torch.no_grad(), torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
             out = fn(*self.static)
         self.outs = out if isinstance(out, tuple) else (out,)
@@ -75,7 +82,11 @@ class CapturedGraph:
         for s, x in zip(self.static, xs):
             if s.data_ptr() != x.data_ptr():
                 s.copy_(x, non_blocking=True)
-        self.graph.replay()
+        if self.device.index == torch.cuda.current_device():
+            self.graph.replay()
+        else:
+            with torch.cuda.device(self.device):
+                self.graph.replay()
         return self.outs
 
 
