@@ -42,11 +42,11 @@ MODELS = SHARED / "caffe-models" if (SHARED / "caffe-models").is_dir() else ROOT
 BUDGET_S = 480
 # part: (seconds it may take at most, what it shows)
 PARTS = {
-    "parity": (220, "the device parity tests"),
-    "steps": (80, "training step: eager vs CUDA graph"),
-    "inference": (45, "open_nsfw inference: plain vs lean CUDA graph"),
-    "many": (80, "K LeNets on one GPU (many_nets.py --device cuda)"),
-    "serve": (45, "brewnet serve --gpu 0 under load"),
+    "parity": (200, "the device parity tests"),
+    "steps": (70, "training step: eager vs CUDA graph"),
+    "inference": (40, "open_nsfw inference: plain vs lean CUDA graph"),
+    "many": (110, "K LeNets on one GPU (many_nets.py --device cuda)"),   # 16 worker processes
+    "serve": (40, "brewnet serve --gpu 0 under load"),
 }
 TRAIN = {   # name: (solver, train_val, input (C, H, W), batch, steps timed)
     "LeNet": ("bvlc/examples/mnist/lenet_solver.prototxt",
@@ -237,12 +237,12 @@ def tool(part: str, limit: float) -> tuple[str, list[str]]:
     py = sys.executable
     if part == "many":
         cmds = [([py, "benchmarks/many_nets.py", "--device", "cuda", "--ks", "1,2,4,8", "--nets", "lenet",
-                  "--steps", "20", "--warmup", "10"], {})]
+                  "--steps", "10", "--warmup", "5"], {})]
     else:
         cmds = []
         for preset in ("lenet", "open_nsfw"):
             args, env = serve_model(preset)
-            cmds.append(([py, "benchmarks/serve.py", preset, *args, "--gpu", "0", "--requests", "300",
+            cmds.append(([py, "benchmarks/serve.py", preset, *args, "--gpu", "0", "--requests", "200",
                           "--concurrency", "1,32", "--body", "npy"], env))
     lines, t0, status = [], time.monotonic(), "done"
     for cmd, env in cmds:
