@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--test-iter", type=int, default=100, help="test batches of 100 images (100: all)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--skip-sequential", action="store_true")
+    ap.add_argument("--solver-fields-only", action="store_true",
+                    help="search base_lr and momentum alone: one architecture, every group fused")
     a = ap.parse_args()
     logging.getLogger("brewnet").setLevel(logging.WARNING)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +102,8 @@ def main() -> None:
     solver = a.out / "lenet_solver.prototxt"
     solver.write_text(SOLVER.format(net=net, ti=a.test_interval, iters=a.iters, test_iter=a.test_iter))
     space = a.out / "space.yaml"
-    space.write_text(SPACE)
+    space.write_text("".join(line + "\n" for line in SPACE.splitlines()
+                             if not (a.solver_fields_only and "num_output" in line)))
 
     from tqdm import tqdm
 
@@ -118,7 +121,9 @@ def main() -> None:
     pngs = st.plots(study, str(a.out / "search"))
     trials = st.counted(study.get_trials(deepcopy=False))
     iters = sum(int(t.user_attrs.get("iters") or 0) for t in trials)
-    print(f"Search of LeNet on MNIST: {a.trials} trials, groups of {a.group}, median pruner, "
+    engines = sorted({t.user_attrs.get("engine", "?") for t in study.get_trials(deepcopy=False)})
+    print(f"Search of LeNet on MNIST ({len(space.read_text().splitlines())} fields; groups: "
+          f"{', '.join(engines)}): {a.trials} trials, groups of {a.group}, median pruner, "
           f"max_iter {a.iters}, test every {a.test_interval} on {a.test_iter * 100} images; "
           f"torch threads {__import__('torch').get_num_threads()}")
     print(st.table(study))

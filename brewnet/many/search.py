@@ -235,6 +235,8 @@ class Search:
         try:
             g = Group(members, self.device, self.fuse, self.exact)
             log.info("Trials %s: a %s group of %d", g.numbers(), g.engine, len(members))
+            for m in members:
+                m.trial.set_user_attr("engine", f"{g.engine} x{len(members)}")
             return [g]
         except SearchError:
             raise
@@ -346,10 +348,12 @@ class Search:
                     g.step()
                     self._events(g)
                 groups = [g for g in groups if g.live() and not g.over]
-        except BaseException:
-            for g in groups:          # this worker's trials end with it (a kill -9 cannot)
+        except BaseException:       # an error or Ctrl-C: this worker's trials fail with it and
+            for g in groups:         # are enqueued again, once (what a kill -9 leaves to fail_dead)
                 for i in g.live():
-                    self._tell(g.members[i], "FAIL", error="the search stopped")
+                    m = g.members[i]
+                    self._tell(m, "FAIL", error="the search stopped")
+                    st.retry_once()(self.study, self.study._storage.get_trial(m.trial._trial_id))
             raise
         finally:
             self._stop.set()
