@@ -132,6 +132,7 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=600)
     ap.add_argument("--base-lr", type=float, default=0.001)
     ap.add_argument("--ap-version", default="11point", choices=["11point", "MaxIntegral", "Integral"])
+    ap.add_argument("--weights", type=Path, help="fine-tune from these weights (a previous run's)")
     a = ap.parse_args(argv)
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -146,6 +147,7 @@ def main(argv=None) -> None:
           a.batch, a.size, str(lm))
     adapt(MODELS / "voc" / "MobileNetSSD_test.prototxt", out / "test.prototxt", classes,
           str(out / "test_lmdb"), 10, a.size, str(lm))
+    prefix = "ssd_shapes_ft" if a.weights else "ssd_shapes"
     (out / "solver.prototxt").write_text(f"""train_net: "{out}/train.prototxt"
 base_lr: {a.base_lr}
 lr_policy: "multistep"
@@ -159,16 +161,18 @@ max_iter: {a.iters}
 display: 10
 average_loss: 10
 snapshot: {a.iters}
-snapshot_prefix: "{out}/ssd_shapes"
+snapshot_prefix: "{out}/{prefix}"
 random_seed: 1
 """)
     t0 = time.time()
-    brewnet("train", "--solver", out / "solver.prototxt", log=out / "train.log")
+    more = ["--weights", a.weights.resolve()] if a.weights else []
+    brewnet("train", "--solver", out / "solver.prototxt", *more, log=out / f"{prefix}_train.log")
     train_s = time.time() - t0
-    weights = out / f"ssd_shapes_iter_{a.iters}.caffemodel"
+    weights = out / f"{prefix}_iter_{a.iters}.caffemodel"
     t0 = time.time()
     text = brewnet("test", "--model", out / "test.prototxt", "--weights", weights,
-                   "--iterations", a.test // 10, "--ap-version", a.ap_version, log=out / "test.log")
+                   "--iterations", a.test // 10, "--ap-version", a.ap_version, "--per-class",
+                   log=out / f"{prefix}_test.log")
     maps = [ln for ln in text.splitlines() if "detection_eval" in ln or "mAP" in ln]
     print("\n".join(maps[-5:]))
     print(f"train: {a.iters} iterations of batch {a.batch} at {a.size}x{a.size} in {train_s:.0f} s; "
