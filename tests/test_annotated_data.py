@@ -286,6 +286,19 @@ def test_no_boxes_gives_one_row_of_minus_one(tmp_path):
     assert net.blobs["label"].data.tolist() == [[[[-1.0] * 8]]]
 
 
+def test_records_without_an_annotation_type_give_datum_labels(tmp_path):
+    # The fork: no type in the record and no anno_type -> a (batch_size,) label of datum.label.
+    with open_writer(str(tmp_path / "u")) as w:
+        for i in range(3):
+            ad = pb.AnnotatedDatum()
+            ad.datum.CopyFrom(pb.Datum(channels=1, height=2, width=2, data=bytes([i] * 4), label=10 + i))
+            w.put(f"{i}", ad.SerializeToString())
+    net = Net(_net(str(tmp_path / "u"), batch=4), phase=pb.TRAIN)
+    net.forward()
+    assert net.blobs["label"].data.tolist() == [10, 11, 12, 10]
+    assert net.blobs["data"].data[:, 0, 0, 0].tolist() == [0, 1, 2, 0]
+
+
 def test_a_plain_datum_database_is_a_clear_error(tmp_path):
     from brewnet.data.transform import chw_to_datum
 
