@@ -152,6 +152,7 @@ class Search:
                  exact: bool = True, heartbeat: int = 60, on_told=None):
         if trials < 1 or group < 1:
             raise SearchError(f"--trials and --group must be >= 1, got {trials} and {group}")
+        st.optuna()                                   # installed, or say how, before any work
         self.space = space if isinstance(space, Space) else Space.load(space, solver)
         self.trials, self.k, self.out, self.seed = trials, group, os.path.abspath(out), seed
         self.device, self.fuse, self.exact, self.on_told = device, fuse, exact, on_told
