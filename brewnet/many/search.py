@@ -199,6 +199,7 @@ class Search:
         if not waiting and len(st.counted(trials)) >= self.trials:
             return None
         trial = self.study.ask()
+        trial.set_user_attr("worker", st.worker_id())     # at once: fail_dead goes by it
         retried = self.study._storage.get_trial(trial._trial_id).system_attrs.get("failed_trial")
         retry = retried is not None
         if not retry:     # numbers are handed out in order: those below ours were asked first
@@ -214,7 +215,6 @@ class Search:
             per = int(np.random.SeedSequence([self.seed, trial.number]).generate_state(1)[0])
             self.study.sampler = st.sampler(self.sampler_name, per, self.space)
         values = self.space.suggest(trial)
-        trial.set_user_attr("worker", st.worker_id())
         folder = os.path.join(self.out, "trials", str(trial.number))
         trial.set_user_attr("folder", folder)
         p = self.space.apply(values)

@@ -25,7 +25,7 @@ log = logging.getLogger("brewnet")
 SAMPLERS = ("tpe", "random", "cmaes", "grid")
 PRUNERS = ("median", "hyperband", "sha", "none")
 INSTALL = 'pip install "brewnet[search]"'
-RUN_ATTRS = ("worker", "folder", "iters", "wall_s", "last", "error")   # what a run of a trial records
+RUN_ATTRS = ("worker", "folder", "iters", "wall_s", "last", "error", "engine")   # what a run of a trial records
 
 
 def optuna():
