@@ -32,8 +32,8 @@ step "fresh venv (no system site-packages) with the wheel"
 python -m venv "$WORK/venv"
 PY="$WORK/venv/bin/python"
 # The CPU build of torch 2.13.0 is on disk here; an unpinned torch would pull a CUDA build.
-"$PY" -m pip install -q torch==2.13.0
-"$PY" -m pip install -q "$wheel"
+"$PY" -m pip install -q --no-compile torch==2.13.0   # no .pyc for torch's thousands of files: faster
+"$PY" -m pip install -q --no-compile "$wheel"
 
 step "running it outside the checkout"
 cp tests/data/caffe-models/bvlc/examples/mnist/lenet.prototxt "$WORK/lenet.prototxt"
