@@ -123,17 +123,14 @@ def test_marked_blocks_exist():
 
 @pytest.mark.parametrize("page,lang,body", marked_blocks(),
                          ids=lambda v: v.relative_to(ROOT).as_posix() if isinstance(v, Path) else None)
-def test_marked_block_runs(page, lang, body, trained_lenet, monkeypatch):
-    where = f"{page.relative_to(ROOT)}:\n{body}"
-    if lang == "python":        # in this process (no second torch import), in the folder a reader has
-        monkeypatch.chdir(trained_lenet)
-        exec(compile(body, str(page), "exec"), {"__name__": "__docs__"})
-        return
+def test_marked_block_runs(page, lang, body, trained_lenet):
+    # Each block in a fresh process, in the folder a reader has: what a Solver sets process-wide
+    # (threads, allocator, determinism) stays out of the other tests of this worker.
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(trained_lenet),
            "BREWNET_SHARED": str(SHARED)}
-    r = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=trained_lenet, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{where}\n--- stderr:\n{r.stderr[-3000:]}"
+    cmd = [sys.executable, "-c", body] if lang == "python" else ["bash", "-euo", "pipefail", "-c", body]
+    r = subprocess.run(cmd, cwd=trained_lenet, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{page.relative_to(ROOT)}:\n{body}\n--- stderr:\n{r.stderr[-3000:]}"
 
 
 def test_every_extra_the_docs_install_exists():
