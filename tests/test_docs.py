@@ -140,3 +140,14 @@ def test_every_extra_the_docs_install_exists():
     named = {e for page in PAGES for group in re.findall(r'\.\[([a-z,]+)\]', page.read_text())
              for e in group.split(",")}
     assert named and named <= extras, f"the docs install extras pyproject lacks: {sorted(named - extras)}"
+
+
+def test_changelog_and_license_match_the_package():
+    import tomllib
+
+    import brewnet
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert brewnet.__version__ == project["version"]
+    assert f"## [{project['version']}]" in (ROOT / "CHANGELOG.md").read_text(), "no CHANGELOG entry"
+    assert project["license"] == "BSD-2-Clause" and "BSD 2-Clause" in (ROOT / "LICENSE").read_text()
