@@ -77,7 +77,8 @@ def check(path: Path, out: Path, logits: bool = False) -> str:
     o_rel = max(rel(g, w) for g, w in zip(sess.run(None, {n: x.numpy() for n, x in zip(net.inputs, xs)}), want))
     # random weights can push a softmax to exact 0s and 1s, where any graph agrees: say so
     flat = np.concatenate([np.abs(np.asarray(w, np.float64)).ravel() for w in want])
-    saturated = "  (outputs saturated at 0/1: uninformative)" if np.all(np.minimum(flat, np.abs(1 - flat)) < 1e-6) else ""
+    saturated = ("  (outputs saturated at 0/1: uninformative)"
+                 if np.all(np.minimum(flat, np.abs(1 - flat)) < 1e-6) else "")
     return f"torch {t_rel:.1e}  onnx {o_rel:.1e}  batch {'dynamic' if gm.dynamic_batch else 'fixed'}{saturated}"
 
 

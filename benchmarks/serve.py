@@ -193,7 +193,8 @@ def breakdown(preset: str, extra: list[str], max_batch: int) -> None:
             ("JSON decode", cpu(lambda: model.prepare_array(json.dumps(x.tolist()).encode(), "application/json"), n)),
             ("forward, batch 1", cpu(lambda: fwd(1), n)),
             (f"forward, batch {max_batch}, per input", cpu(lambda: fwd(max_batch), n) / max_batch),
-            ("top-k answer + JSON body", cpu(lambda: json.dumps(model.answer(np.linspace(0, 1, 1000 if preset != "lenet" else 10))), n))]
+            ("top-k answer + JSON body",
+             cpu(lambda: json.dumps(model.answer(np.linspace(0, 1, 1000 if preset != "lenet" else 10))), n))]
     app = create_app(model, Limits(max_body=1 << 30, max_pixels=10 ** 9), max_batch, 0.005, fixed, inline)
 
     async def call(body, ctype):

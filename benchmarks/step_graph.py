@@ -8,8 +8,9 @@ InnerProduct on MNIST LMDB batch 100; LeNet batch 64), a pycaffe script process 
 warms up, then times ``solver.step(n)`` three times; the modes' processes alternate for
 ``--rounds`` rounds and the median over rounds of each process's fastest call is printed, as
 CPU and wall time per step (in one process side by side, the two solvers slowed each other
-unevenly). "first s" is the warm-up call, which holds the capture (trace and check). Every process trains the same number of iterations from the same seed: "bitwise" says
-whether its final params equal the eager process's.
+unevenly). "first s" is the warm-up call, which holds the capture (trace and check). Every
+process trains the same number of iterations from the same seed: "bitwise" says whether its
+final params equal the eager process's.
 """
 from __future__ import annotations
 

@@ -23,13 +23,19 @@ DATA = """name: "LeNet"
 layer {{ name: "mnist" type: "Data" top: "data" top: "label"
   transform_param {{ scale: 0.00390625 }} data_param {{ source: "{db}" batch_size: {batch} backend: LMDB }} }}
 """
-LAYERS = "\n".join(["layer { name: \"conv1\" type: \"Convolution\" bottom: \"data\" top: \"conv1\" convolution_param { num_output: 20 kernel_size: 5 } }",
-                 "layer { name: \"pool1\" type: \"Pooling\" bottom: \"conv1\" top: \"pool1\" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }",
-                 "layer { name: \"conv2\" type: \"Convolution\" bottom: \"pool1\" top: \"conv2\" convolution_param { num_output: 50 kernel_size: 5 } }",
-                 "layer { name: \"pool2\" type: \"Pooling\" bottom: \"conv2\" top: \"pool2\" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }",
-                 "layer { name: \"ip1\" type: \"InnerProduct\" bottom: \"pool2\" top: \"ip1\" inner_product_param { num_output: 500 } }",
+LAYERS = "\n".join(["layer { name: \"conv1\" type: \"Convolution\" bottom: \"data\" top: \"conv1\" "
+                 "convolution_param { num_output: 20 kernel_size: 5 } }",
+                 "layer { name: \"pool1\" type: \"Pooling\" bottom: \"conv1\" top: \"pool1\" "
+                 "pooling_param { pool: MAX kernel_size: 2 stride: 2 } }",
+                 "layer { name: \"conv2\" type: \"Convolution\" bottom: \"pool1\" top: \"conv2\" "
+                 "convolution_param { num_output: 50 kernel_size: 5 } }",
+                 "layer { name: \"pool2\" type: \"Pooling\" bottom: \"conv2\" top: \"pool2\" "
+                 "pooling_param { pool: MAX kernel_size: 2 stride: 2 } }",
+                 "layer { name: \"ip1\" type: \"InnerProduct\" bottom: \"pool2\" top: \"ip1\" "
+                 "inner_product_param { num_output: 500 } }",
                  "layer { name: \"relu1\" type: \"ReLU\" bottom: \"ip1\" top: \"ip1\" }",
-                 "layer { name: \"ip2\" type: \"InnerProduct\" bottom: \"ip1\" top: \"ip2\" inner_product_param { num_output: 10 } }",
+                 "layer { name: \"ip2\" type: \"InnerProduct\" bottom: \"ip1\" top: \"ip2\" "
+                 "inner_product_param { num_output: 10 } }",
                  "layer { name: \"prob\" type: \"Softmax\" bottom: \"ip2\" top: \"prob\" }"])
 
 

@@ -46,12 +46,15 @@ class GradientCheckError(AssertionError):
 
 @dataclass
 class CheckResult:
+    """The outcome of a gradient check that passed."""
     compared: int  # (element, objective) pairs compared
     skipped: int   # pairs in the kink region, not compared
     worst: float   # largest |analytic - numeric| / (threshold · scale): <= 1 when it passed
 
 
 class GradientChecker:
+    """Caffe's ``GradientChecker(stepsize, threshold, seed, kink, kink_range)``: numeric against
+    analytic gradients of a layer (see the module docstring)."""
     def __init__(self, stepsize: float = 1e-2, threshold: float = 1e-3, seed: int = 1701,
                  kink: float = 0.0, kink_range: float = -1.0):
         self.stepsize, self.threshold, self.seed = stepsize, threshold, seed

@@ -49,6 +49,7 @@ FLOW_PRESETS = {"ultrafast": 0, "fast": 1, "medium": 2}     # cv2.DISOPTICAL_FLO
 
 
 class FrameOutput(NamedTuple):
+    """One frame's result: its index, the output blobs, and whether the net ran on it."""
     index: int
     outputs: dict            # output blob name -> tensor (1, ...) on the net's device
     is_keyframe: bool
@@ -303,6 +304,8 @@ class VideoNet:
         return t.to(self.net.device), grey
 
     def run(self, source, limit: int | None = None) -> Iterator[FrameOutput]:
+        """Yield a FrameOutput per frame of ``source`` (a video or image folder path, or frames):
+        the net runs on keyframes, other frames take the last keyframe's outputs (copied or warped)."""
         net = self.net
         frames = read_frames(source, limit) if isinstance(source, (str, os.PathLike)) else source
         key_out = key_low = key_grey = None

@@ -32,9 +32,11 @@ SMALL = """force_backward: true
 layer { name: "data" type: "Input" top: "data" top: "label"
   input_param { shape { dim: 4 dim: 1 dim: 12 dim: 12 } shape { dim: 4 } } }
 layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
-  convolution_param { num_output: 3 kernel_size: 3 weight_filler { type: "xavier" } bias_filler { type: "constant" value: 0.1 } } }
+  convolution_param { num_output: 3 kernel_size: 3 weight_filler { type: "xavier" }
+                      bias_filler { type: "constant" value: 0.1 } } }
 layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
-layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
 layer { name: "ip1" type: "InnerProduct" bottom: "pool1" top: "ip1"
   inner_product_param { num_output: 5 weight_filler { type: "xavier" } bias_filler { type: "constant" value: 0.2 } } }
 layer { name: "ip2" type: "InnerProduct" bottom: "pool1" top: "ip2"

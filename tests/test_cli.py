@@ -149,7 +149,8 @@ def test_time_lenet_deploy(spelling, capsys):
     bw = sum(per[l, "backward"] for l in layers)
     assert 0 < fw <= summary["Average Forward pass"] * 1.001
     assert 0 < bw <= summary["Average Backward pass"] * 1.001
-    assert summary["Average Forward pass"] + summary["Average Backward pass"] <= summary["Average Forward-Backward"] * 1.001
+    assert (summary["Average Forward pass"] + summary["Average Backward pass"]
+            <= summary["Average Forward-Backward"] * 1.001)
     assert summary["Total Time"] == pytest.approx(3 * summary["Average Forward-Backward"], rel=1e-4)
     # A deploy net is timed as it would train: the learnable layers do backward work.
     assert per["conv2", "backward"] > 0 and per["ip1", "backward"] > 0

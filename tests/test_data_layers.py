@@ -29,7 +29,8 @@ def test_hdf5_data_caffe_test_read(monkeypatch):
     # The list names files relative to Caffe's root, as Caffe's test runs them.
     monkeypatch.chdir(MODELS / "bvlc")
     layer, tops = make_layer(f'name: "h" type: "HDF5Data" top: "data" top: "label" top: "label2" '
-                             f'hdf5_data_param {{ source: "{need(TEST_DATA)}/sample_data_list.txt" batch_size: 5 }}', [])
+                             f'hdf5_data_param {{ source: "{need(TEST_DATA)}/sample_data_list.txt" '
+                             'batch_size: 5 }', [])
     assert tops == [(5, 8, 6, 5), (5, 1), (5, 1)]
     size = 8 * 6 * 5
     for it in range(10):
@@ -62,10 +63,12 @@ def test_hdf5_data_paths_relative_to_list_and_shuffle(tmp_path):
 def test_hdf5_data_errors(tmp_path):
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(LayerError, match="at least 1 HDF5 filename"):
-        make_layer(f'name: "h" type: "HDF5Data" top: "data" hdf5_data_param {{ source: "{tmp_path}/empty.txt" batch_size: 2 }}', [])
+        make_layer(f'name: "h" type: "HDF5Data" top: "data" '
+                   f'hdf5_data_param {{ source: "{tmp_path}/empty.txt" batch_size: 2 }}', [])
     (tmp_path / "list.txt").write_text(f"{need(TEST_DATA)}/sample_data.h5\n")
     with pytest.raises(LayerError, match="no dataset 'targets'.*'data', 'label', 'label2'"):
-        make_layer(f'name: "h" type: "HDF5Data" top: "targets" hdf5_data_param {{ source: "{tmp_path}/list.txt" batch_size: 2 }}', [])
+        make_layer(f'name: "h" type: "HDF5Data" top: "targets" '
+                   f'hdf5_data_param {{ source: "{tmp_path}/list.txt" batch_size: 2 }}', [])
     with pytest.raises(LayerError, match="batch_size must be positive"):
         make_layer(f'name: "h" type: "HDF5Data" top: "data" hdf5_data_param {{ source: "{tmp_path}/list.txt" }}', [])
 

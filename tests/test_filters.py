@@ -57,8 +57,10 @@ def test_cli_grids_and_errors(model, tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["conv_0000.png", "conv_0001.png", "conv_0002.png",
                                                     "conv_overview.png"]
     deploy = tmp_path / "deploy.prototxt"
-    deploy.write_text('layer { name: "in" type: "Input" top: "data" input_param { shape { dim: 1 dim: 1 dim: 8 dim: 8 } } }\n'
-                      'layer { name: "conv" type: "Convolution" bottom: "data" top: "conv" convolution_param { num_output: 3 kernel_size: 3 } }')
+    deploy.write_text('layer { name: "in" type: "Input" top: "data" '
+                      'input_param { shape { dim: 1 dim: 1 dim: 8 dim: 8 } } }\n'
+                      'layer { name: "conv" type: "Convolution" bottom: "data" top: "conv" '
+                      'convolution_param { num_output: 3 kernel_size: 3 } }')
     assert main(["filters", "--model", str(deploy), "--weights", str(weights), "--blob", "conv",
                  "--out", str(out)]) == 1
     assert "needs a data layer" in capsys.readouterr().err

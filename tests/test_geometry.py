@@ -34,8 +34,10 @@ def test_caffenet_conv5_and_pool5():
 
 def test_deconvolution_and_crop_are_exact_fractions():
     text = """layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1 dim: 1 dim: 16 dim: 16 } } }
-    layer { name: "down" type: "Convolution" bottom: "x" top: "d" convolution_param { num_output: 1 kernel_size: 4 stride: 2 pad: 1 } }
-    layer { name: "up" type: "Deconvolution" bottom: "d" top: "u" convolution_param { num_output: 1 kernel_size: 4 stride: 2 } }
+    layer { name: "down" type: "Convolution" bottom: "x" top: "d"
+            convolution_param { num_output: 1 kernel_size: 4 stride: 2 pad: 1 } }
+    layer { name: "up" type: "Deconvolution" bottom: "d" top: "u"
+            convolution_param { num_output: 1 kernel_size: 4 stride: 2 } }
     layer { name: "crop" type: "Crop" bottom: "u" bottom: "x" top: "c" crop_param { axis: 2 offset: 1 } }"""
     rf = receptive_fields(Net(text, pb.TEST))
     assert (rf["d"][0].size, rf["d"][0].stride, rf["d"][0].start) == (4, 2, -1)

@@ -66,7 +66,8 @@ def test_inner_product_gradcheck(params):
 
 # -- Embed -------------------------------------------------------------------------------------
 def test_embed_shape_forward_bias_and_no_index_grad():
-    params = "embed_param { num_output: 10 input_dim: 5 weight_filler { type: 'gaussian' } bias_filler { type: 'gaussian' } }"
+    params = ("embed_param { num_output: 10 input_dim: 5 weight_filler { type: 'gaussian' } "
+              "bias_filler { type: 'gaussian' } }")
     l, tops = build("Embed", params, [(4, 1, 1, 1)])
     assert tops == [(4, 1, 1, 1, 10)] and not l.allow_backward(0)
     idx = torch.tensor([3.0, 0.0, 4.0, 3.0]).reshape(4, 1, 1, 1)

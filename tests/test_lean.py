@@ -72,7 +72,8 @@ layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
 layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" batch_norm_param { use_global_stats: true } }
 layer { name: "sc1" type: "Scale" bottom: "conv1" top: "conv1" scale_param { bias_term: true } }
 layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
-layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
 layer { name: "ip1" type: "InnerProduct" bottom: "pool1" top: "ip1"
         inner_product_param { num_output: 6 weight_filler { type: "xavier" } } }
 layer { name: "prob" type: "Softmax" bottom: "ip1" top: "prob" }

@@ -20,7 +20,7 @@ Log file created at: 2016/02/10 13:39:22
 Running on machine: box
 Log line format: [IWEF]mmdd hh:mm:ss.uuuuuu threadid file:line] msg
 I0210 13:39:22.381027 25210 caffe.cpp:185] Using GPUs 0
-I0210 13:39:22.542307 25210 solver.cpp:48] Initializing solver from parameters: 
+I0210 13:39:22.542307 25210 solver.cpp:48] Initializing solver from parameters:\x20
 test_iter: 100
 test_interval: 500
 base_lr: 0.01

@@ -52,7 +52,8 @@ def by_hand(tmp_path, weights, x, starts, size):
     forwarded a batch (of the data layer's size: oneDNN's float32 kernels depend on the shape)
     at a time through a deploy twin of the net."""
     deploy = tmp_path / "deploy.prototxt"
-    deploy.write_text(f'name: "mv" input: "data" input_shape {{ dim: {BATCH} dim: {C} dim: {size} dim: {size} }}' + LAYERS)
+    deploy.write_text(f'name: "mv" input: "data" '
+                      f'input_shape {{ dim: {BATCH} dim: {C} dim: {size} dim: {size} }}' + LAYERS)
     net = caffe.Net(str(deploy), caffe.TEST, weights=str(weights))
     crops = [x[:, :, i:i + size, j:j + size] for i, j in starts]
     crops += [c[:, :, :, ::-1] for c in crops]
@@ -206,7 +207,8 @@ def test_image_data_layer_views(tmp_path):
     net.write_text(f"""name: "mv"
 layer {{ name: "data" type: "ImageData" top: "data" top: "label"
   transform_param {{ crop_size: {CROP} mean_value: 100 mean_value: 110 mean_value: 120 scale: {SCALE} }}
-  image_data_param {{ source: "{lst}" root_folder: "{tmp_path}/" batch_size: {BATCH} new_height: {H} new_width: {H} }} }}""" + LAYERS)
+  image_data_param {{ source: "{lst}" root_folder: "{tmp_path}/" batch_size: {BATCH}
+                      new_height: {H} new_width: {H} }} }}""" + LAYERS)
     caffe.set_random_seed(8)
     weights = tmp_path / "w.caffemodel"
     caffe.Net(str(net), caffe.TEST).save(str(weights))

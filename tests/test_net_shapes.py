@@ -33,7 +33,8 @@ def test_shapes_match_caffe(path):
     got = {n: tuple(net.shapes[n]) for n in net.blobs}
     assert got == want
     ref_params = {l["name"]: [tuple(p) for p in l["params"]] for l in ref["layers"] if l["type"] != "Split"}
-    got_params = {l.name: [tuple(b.shape) for b in l.blobs] for l in net.layer_list}  # last of a duplicated name wins, as in Caffe
+    # last of a duplicated name wins, as in Caffe
+    got_params = {l.name: [tuple(b.shape) for b in l.blobs] for l in net.layer_list}
     assert got_params == ref_params
     assert sum(b.numel() for l in net.layer_list for b in l.blobs) == ref["total_params"]
     assert net.inputs == ref["inputs"]

@@ -216,7 +216,8 @@ def test_resume_auto_after_a_kill_ends_bitwise_as_the_uninterrupted_run(db, tmp_
     assert [c for c, _ in workers(2, ["train", "--solver", str(whole)], tmp_path / "l1")] == [0, 0]
     cut = solver(tmp_path / "cut", db, "w", B, **args)
     argv = ["train", "--solver", str(cut), "--resume", "auto", "--timeout", "20"]
-    (c0, _), _ = workers(2, argv, tmp_path / "l2", during=_kill_rank1_after(file=tmp_path / "cut" / "w_iter_20.solverstate"))
+    (c0, _), _ = workers(2, argv, tmp_path / "l2",
+                         during=_kill_rank1_after(file=tmp_path / "cut" / "w_iter_20.solverstate"))
     assert c0 != 0
     done = sorted(int(p.name.split("_")[2].split(".")[0]) for p in (tmp_path / "cut").glob("w_iter_*.solverstate"))
     assert done and 20 <= done[-1] < 120         # killed between snapshots, before the end

@@ -182,7 +182,8 @@ def test_example_agrees_with_ssd_normalize(dtype, channel_shared, monkeypatch):
     dy = torch.from_numpy(np.random.default_rng(6).standard_normal((3, 4, 5, 6))).to(dtype)
     out = []
     for text in ['type: "L2Normalize"',
-                 f'type: "Normalize" norm_param {{ across_spatial: true channel_shared: {str(channel_shared).lower()} }}']:
+                 f'type: "Normalize" norm_param {{ across_spatial: true '
+                 f'channel_shared: {str(channel_shared).lower()} }}']:
         layer = create_layer(f'name: "n" bottom: "x" top: "y" {text}')
         layer.set_up([x.shape])
         t = x.clone().requires_grad_(True)

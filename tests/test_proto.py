@@ -39,7 +39,8 @@ def _message_for(path):
 
 
 PROTOTXTS = sorted(MODELS.rglob("*.prototxt"))
-CAFFEMODELS = sorted(MODELS.rglob("*.caffemodel")) or [MODELS / "trained" / "*.caffemodel"]  # none vendored: need() skips
+# none vendored: need() skips
+CAFFEMODELS = sorted(MODELS.rglob("*.caffemodel")) or [MODELS / "trained" / "*.caffemodel"]
 
 
 def _rel(p):

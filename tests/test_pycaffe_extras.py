@@ -55,7 +55,9 @@ class PhaseLayer(caffe.Layer):
 
 
 def python_net(layer: str, n: int = 1, param_str: str = "", extra: str = "") -> str:
-    body = 'force_backward: true\nlayer { name: "in" type: "Input" top: "data" input_param { shape { dim: 10 dim: 9 dim: 8 } } }\n'
+    body = ('force_backward: true\n'
+            'layer { name: "in" type: "Input" top: "data" '
+            'input_param { shape { dim: 10 dim: 9 dim: 8 } } }\n')
     bottom = "data"
     for i in range(n):
         body += (f'layer {{ type: "Python" name: "l{i}" bottom: "{bottom}" top: "t{i}" {extra} '
@@ -104,7 +106,8 @@ def test_python_layer_parameters_train_save_load(tmp_path):
 
 
 def test_python_layer_phase():
-    text = 'layer { name: "p" type: "Python" top: "phase" python_param { module: "%s" layer: "PhaseLayer" } }' % __name__
+    text = ('layer { name: "p" type: "Python" top: "phase" '
+            'python_param { module: "%s" layer: "PhaseLayer" } }' % __name__)
     assert caffe.Net(text, caffe.TRAIN).forward()["phase"] == caffe.TRAIN
     assert caffe.Net(text, caffe.TEST).forward()["phase"] == caffe.TEST
 

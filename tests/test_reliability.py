@@ -318,9 +318,10 @@ save_weights_h5(brewnet.Net(sys.argv[1]), sys.argv[2])
 def _solver(tmp_path, fmt="HDF5"):
     from brewnet.solvers import get_solver, load_solver_param
 
-    (tmp_path / "net.prototxt").write_text(GATED_NET.replace("""layer { name: "gate" type: "Python" bottom: "data" top: "gated"
-  python_param { module: "gate_layer" layer: "Gate" } }
-""", "").replace('bottom: "gated"', 'bottom: "data"'))
+    gate = ('layer { name: "gate" type: "Python" bottom: "data" top: "gated"\n'
+            '  python_param { module: "gate_layer" layer: "Gate" } }\n')
+    (tmp_path / "net.prototxt").write_text(
+        GATED_NET.replace(gate, "").replace('bottom: "gated"', 'bottom: "data"'))
     (tmp_path / "solver.prototxt").write_text(
         f'net: "{tmp_path / "net.prototxt"}"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 10\n'
         f'snapshot_prefix: "{tmp_path / "snap"}"\nsolver_mode: CPU\nsnapshot_format: {fmt}\n')

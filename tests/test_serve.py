@@ -52,7 +52,8 @@ def server(tmp_path_factory, request):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-m", "brewnet.cli", "serve", "--model", str(LENET),
                              "--weights", str(weights), "--port", str(port), "--max-batch", "8",
-                             "--max-delay-ms", "5", "--workers", str(request.param)], env=env, stderr=subprocess.PIPE, text=True)
+                             "--max-delay-ms", "5", "--workers", str(request.param)],
+                            env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
         try:

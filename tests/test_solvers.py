@@ -395,7 +395,8 @@ def test_snapshot_prefix_defaults_to_solver_file(tmp_path):
     s = SGDSolver(tmp_path / "my_solver.prototxt")
     assert s.param.snapshot_prefix == str(tmp_path / "my_solver")
     (tmp_path / "d").mkdir()
-    (tmp_path / "s2.prototxt").write_text(f'net: "net.prototxt" base_lr: 0.1 lr_policy: "fixed" snapshot_prefix: "{tmp_path / "d"}"')
+    (tmp_path / "s2.prototxt").write_text(f'net: "net.prototxt" base_lr: 0.1 lr_policy: "fixed" '
+                                          f'snapshot_prefix: "{tmp_path / "d"}"')
     assert SGDSolver(tmp_path / "s2.prototxt").param.snapshot_prefix == str(tmp_path / "d" / "s2")
 
 

@@ -99,6 +99,7 @@ class Layer:
         return [tuple(bottom_shapes[0])] * self.num_tops
 
     def forward(self, bottoms: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The top tensors computed from the bottom tensors (Caffe's Forward); every layer overrides it."""
         raise NotImplementedError(f"{self.type} has no forward")
 
     # -- backward control ------------------------------------------------------------------
@@ -121,6 +122,7 @@ class Layer:
 
     @property
     def num_tops(self) -> int:
+        """The number of tops the LayerParameter names."""
         return len(self.param.top)
 
     def fail(self, msg: str) -> LayerError:
@@ -128,6 +130,8 @@ class Layer:
         return LayerError(f"Layer '{self.name}' (type {self.type}): {msg}")
 
     def check_counts(self, n_bottoms: int, n_tops: int) -> None:
+        """Raise a LayerError when the bottom or top count is outside the class's limits
+        (``exact_*``/``min_*``/``max_*``)."""
         def check(what, n, exact, lo, hi):
             if exact is not None and n != exact:
                 raise self.fail(f"takes {exact} {what} blob(s), got {n}")
@@ -149,6 +153,7 @@ class Layer:
         return t.requires_grad_(True)
 
     def extra_repr(self) -> str:
+        """Extra ``key=value`` text for ``repr``; empty by default."""
         return ""
 
     def __repr__(self) -> str:

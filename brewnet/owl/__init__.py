@@ -31,10 +31,12 @@ def initialize(argv=None) -> None:
 
 
 def has_cuda() -> bool:
+    """Whether torch sees a CUDA device."""
     return torch.cuda.is_available()
 
 
 def get_gpu_device_count() -> int:
+    """The number of CUDA devices (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -45,6 +47,7 @@ def has_mpi() -> bool:
 
 
 def create_cpu_device() -> torch.device:
+    """The CPU device (owl's ``create_cpu_device``)."""
     return torch.device("cpu")
 
 
@@ -71,6 +74,7 @@ def set_device(dev) -> None:
 
 
 def current_device() -> torch.device:
+    """The device new nets are built on (the last ``set_device``; the CPU at first)."""
     return _current[0]
 
 

@@ -40,6 +40,7 @@ def conv_params(fn):
 
 
 def crop_params(fn):
+    """(axis, offset) of a Crop Function (pycaffe's defaults: axis 2, offset 0)."""
     params = fn.params.get("crop_param", fn.params)
     return params.get("axis", 2), np.array(params.get("offset", 0), ndmin=1)
 
@@ -76,6 +77,7 @@ def compose(base_map, next_map):
 
 
 def inverse(coord_map):
+    """The map that undoes ``coord_map``."""
     ax, a, b = coord_map
     return ax, 1 / a, -b / a
 

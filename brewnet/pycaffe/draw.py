@@ -30,6 +30,8 @@ def _first(values, default):
 
 
 def get_edge_label(layer) -> str:
+    """The label of a layer's output edges: the batch size of a Data layer, the output count of
+    a convolution or inner product, else empty."""
     if layer.type == "Data":
         return f"Batch {layer.data_param.batch_size}"
     if layer.type in ("Convolution", "Deconvolution"):
@@ -48,6 +50,8 @@ def get_layer_lr_mult(layer) -> tuple[float, float]:
 
 
 def get_layer_label(layer, rankdir: str, display_lrm: bool = False) -> str:
+    """A layer node's label, quoted: name, type (and pooling method), kernel/stride/pad, and
+    with ``display_lrm`` the lr multipliers; ``rankdir`` picks the separator."""
     sep = " " if rankdir in ("TB", "BT") else "\\n"    # vertical layouts have room across
     kind = layer.type
     if kind == "Pooling":

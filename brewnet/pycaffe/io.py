@@ -45,6 +45,7 @@ def arraylist_to_blobprotovector_str(arraylist) -> bytes:
 
 
 def blobprotovector_str_to_arraylist(s: bytes) -> list[np.ndarray]:
+    """The arrays of a serialized BlobProtoVector."""
     vec = caffe_pb2.BlobProtoVector()
     vec.ParseFromString(s)
     return [blobproto_to_array(b) for b in vec.blobs]

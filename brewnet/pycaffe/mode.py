@@ -17,10 +17,13 @@ _log = logging.getLogger("brewnet")
 
 
 def set_mode_cpu() -> None:
+    """pycaffe's ``caffe.set_mode_cpu()``: new Nets and Solvers run on the CPU."""
     runtime.set_default_device(False)
 
 
 def set_mode_gpu() -> None:
+    """pycaffe's ``caffe.set_mode_gpu()``: new Nets and Solvers run on CUDA (the CPU, warned,
+    without CUDA)."""
     if not torch.cuda.is_available():
         _log.warning("set_mode_gpu: CUDA is not available here; running on the CPU")
     runtime.set_default_device(True)
@@ -28,6 +31,7 @@ def set_mode_gpu() -> None:
 
 
 def set_device(device_id: int) -> None:
+    """pycaffe's ``caffe.set_device(id)``: the CUDA device GPU mode uses."""
     runtime.set_default_device(runtime._mode["gpu"], device_id)
     if runtime._mode["gpu"]:
         runtime.configure()

@@ -122,11 +122,13 @@ class Net(core.Net):
         return {n: np.concatenate(v) for n, v in outs.items()}
 
     def save_hdf5(self, path) -> None:
+        """Write the params in Caffe's HDF5 layout (pycaffe's ``Net.save_hdf5``)."""
         from ..weights import save_weights_h5
 
         save_weights_h5(self, path)
 
     def load_hdf5(self, path) -> None:
+        """Load params from a Caffe HDF5 weights file (pycaffe's ``Net.load_hdf5``)."""
         self.copy_from(path)
 
     def set_input_arrays(self, data, labels) -> None:
@@ -144,18 +146,22 @@ class Net(core.Net):
 
     @property
     def layers(self) -> list["LayerView"]:
+        """A view of each layer, in net order (pycaffe's ``Net.layers``)."""
         return [LayerView(l) for l in self.layer_list]
 
     @property
     def layer_dict(self) -> "OrderedDict[str, LayerView]":
+        """``{layer name: layer view}`` in net order (pycaffe's ``Net.layer_dict``)."""
         return OrderedDict((l.name, LayerView(l)) for l in self.layer_list)
 
     @property
     def top_names(self) -> "OrderedDict[str, list[str]]":
+        """``{layer name: [its top blob names]}`` (pycaffe's ``Net.top_names``)."""
         return OrderedDict((l.name, list(t)) for l, t in zip(self.layer_list, self.top_lists))
 
     @property
     def bottom_names(self) -> "OrderedDict[str, list[str]]":
+        """``{layer name: [its bottom blob names]}`` (pycaffe's ``Net.bottom_names``)."""
         return OrderedDict((l.name, list(b)) for l, b in zip(self.layer_list, self.bottom_lists))
 
     @property

@@ -56,6 +56,7 @@ class Top:
         self.fn, self.n = fn, n
 
     def to_proto(self) -> "pb.NetParameter":
+        """The NetParameter that computes this top."""
         return to_proto(self)
 
 
@@ -88,6 +89,8 @@ class Function:
         return names[self]
 
     def write(self, layers: OrderedDict, names: dict, autonames: Counter) -> None:
+        """Add this layer's LayerParameter to ``layers`` (its inputs' first), naming tops and layer
+        from ``names`` or automatically (``<Type><n>``)."""
         if self in layers:
             return
         bottoms = []
@@ -126,9 +129,11 @@ class NetSpec:
     __getitem__ = __getattr__
 
     def keys(self):
+        """The names of the assigned tops, in assignment order."""
         return list(self.tops)
 
     def to_proto(self) -> "pb.NetParameter":
+        """The NetParameter of every assigned top, layers and blobs named as assigned."""
         names = {top: name for name, top in self.tops.items()}
         autonames, layers = Counter(), OrderedDict()
         for top in self.tops.values():   # a Top, or the Function of an ntop=0 layer

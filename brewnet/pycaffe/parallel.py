@@ -23,12 +23,14 @@ TIMEOUT_S = 300.0
 
 
 def set_solver_count(n: int) -> None:
+    """pycaffe's ``caffe.set_solver_count``: the number of solvers (workers) training together."""
     if int(n) < 1:
         raise ValueError(f"set_solver_count: need at least 1 solver, got {n}")
     _state["count"] = int(n)
 
 
 def set_solver_rank(r: int) -> None:
+    """pycaffe's ``caffe.set_solver_rank``: this process's rank among the solvers."""
     _state["rank"] = int(r)
 
 
@@ -38,10 +40,12 @@ def set_multiprocess(on: bool) -> None:
 
 
 def solver_count() -> int:
+    """pycaffe's ``caffe.solver_count()``: the count set by ``set_solver_count`` (1 by default)."""
     return _state["count"]
 
 
 def solver_rank() -> int:
+    """pycaffe's ``caffe.solver_rank()``: the rank set by ``set_solver_rank`` (0 by default)."""
     return _state["rank"]
 
 
@@ -79,12 +83,15 @@ class NCCL:
         return f"{UID_PREFIX}127.0.0.1:{port}".encode()
 
     def bcast(self) -> None:
+        """Copy rank 0's params and solver state into this solver (Caffe's ``NCCL::Broadcast``)."""
         self.replicas.sync_from_root()
 
     def on_start(self) -> None:
+        """Solver callback at the start of an iteration: expect a new round of gradients."""
         self.replicas.on_start()
 
     def on_gradients_ready(self) -> None:
+        """Solver callback after the backward: sum the gradients over the workers (scaled 1/N)."""
         self.replicas.on_gradients()
 
     def reduce_during_backward(self, net) -> None:

@@ -20,17 +20,20 @@ class Timer:
         self._running = False
 
     def start(self) -> None:
+        """Start timing (nothing when already running)."""
         if not self._running:
             self._start = time.perf_counter()
             self._running = True
 
     def stop(self) -> None:
+        """Stop timing (nothing when not running)."""
         if self._running:
             self._stop = time.perf_counter()
             self._running = False
 
     @property
     def ms(self) -> float:
+        """The last start-to-stop span in milliseconds (stops a running timer; 0 before any start)."""
         if self._start is None:
             _log.warning("Timer has never been run before reading time.")
             return 0.0
@@ -39,4 +42,5 @@ class Timer:
 
     @property
     def seconds(self) -> float:
+        """``ms`` in seconds."""
         return self.ms / 1000.0

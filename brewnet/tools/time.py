@@ -2,8 +2,9 @@
 
 Builds the net (phase TRAIN unless ``--phase TEST``), runs one clean forward and backward, then
 times ``iterations`` passes layer by layer with the Net's own per-layer steps (see
-``brewnet.analysis.timing`` for how backward is split per layer) and logs Caffe's table and summary: ``Average Forward pass: X ms.``, ``Average Backward
-pass: X ms.``, ``Average Forward-Backward: X ms.``, ``Total Time: X ms.``. Input blobs are timed
+``brewnet.analysis.timing`` for how backward is split per layer) and logs Caffe's table and
+summary: ``Average Forward pass: X ms.``, ``Average Backward pass: X ms.``,
+``Average Forward-Backward: X ms.``, ``Total Time: X ms.``. Input blobs are timed
 as they are (zeros); a net with Data layers reads its database, which must exist.
 """
 from __future__ import annotations

@@ -16,8 +16,9 @@ Several ``--solver`` flags train the solvers together in one process (``brewnet.
 keeps its own rule, schedule and snapshots, its log lines start with ``[s0] ``, ``[s1] ``... (by
 position; ``brewnet parse-log --prefix "[s1]"`` picks one out), and each batch is read once per
 data definition; ``--together-threads N`` steps them on N worker threads at once (default:
-one per core when the nets are not tiny, ``brewnet.many.together``). ``--fuse`` runs them as one fused net (``brewnet.many.fused``; an error naming
-the first layer that differs when they cannot be fused). Data parallel trains one solver.
+one per core when the nets are not tiny, ``brewnet.many.together``). ``--fuse`` runs them as
+one fused net (``brewnet.many.fused``; an error naming the first layer that differs when they
+cannot be fused). Data parallel trains one solver.
 """
 from __future__ import annotations
 

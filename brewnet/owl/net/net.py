@@ -31,12 +31,15 @@ class NArray:
 
     @property
     def shape(self) -> list[int]:
+        """The tensor's shape in owl's order (reversed: ``[W, H, C, N]``)."""
         return list(reversed(self.tensor.shape))
 
     def to_numpy(self) -> np.ndarray:
+        """A float32 numpy copy in Caffe's (N, C, H, W) order."""
         return self.tensor.float().cpu().numpy().copy()
 
     def reshape(self, shape) -> "NArray":
+        """The same values in ``shape``, given in owl's (reversed) order."""
         return NArray(self.tensor.reshape(tuple(reversed(list(shape)))))
 
     def _other(self, x):
@@ -62,6 +65,7 @@ class NArray:
     argmax = max_index
 
     def count_zero(self) -> int:
+        """The number of elements equal to 0."""
         return int((self.tensor == 0).sum())
 
     def __repr__(self) -> str:
@@ -100,6 +104,7 @@ class ComputeUnit:
 
     @property
     def out(self) -> NArray | None:
+        """The unit's own output (its first top) after the last forward; None without tops."""
         return NArray(self._blob(self.top_names[0])) if self.top_names else None
 
     def __str__(self) -> str:
@@ -141,20 +146,24 @@ class SoftmaxUnit(ComputeUnit):
 
     @property
     def loss_weight(self):
+        """The layer's ``loss_weight`` values, as a list."""
         return list(self.params.loss_weight)
 
     @property
     def ff_y(self) -> NArray:
+        """Softmax of the layer's first bottom, one row of class probabilities per item."""
         x = self._blob(self.btm_names[0])
         return NArray(torch.softmax(x.reshape(x.shape[0], -1).double(), 1).float())
 
     @property
     def y(self) -> NArray:
+        """The labels (second bottom) one-hot, a row per item (labels clamped to the classes)."""
         labels = self._blob(self.btm_names[1]).reshape(-1).long()
         classes = self.ff_y.tensor.shape[1]
         return NArray(torch.nn.functional.one_hot(labels.clamp(0, classes - 1), classes).float())
 
     def getloss(self) -> float:
+        """The loss of the last forward (NaN when the layer has no top)."""
         return float(self._blob(self.top_names[0]).reshape(-1)[0]) if self.top_names else float("nan")
 
 
@@ -163,14 +172,17 @@ class AccuracyUnit(ComputeUnit):
 
     @property
     def top_k(self) -> int:
+        """The layer's ``accuracy_param.top_k``."""
         return self.params.accuracy_param.top_k
 
     @property
     def acc(self) -> float:
+        """This batch's accuracy (the layer's top)."""
         return float(self._blob(self.top_names[0]).reshape(-1)[0])
 
     @property
     def batch_size(self) -> int:
+        """The number of labels in this batch (the layer's second bottom)."""
         return int(self._blob(self.btm_names[1]).numel())
 
 
@@ -181,6 +193,7 @@ class DataUnit(ComputeUnit):
 
     @property
     def crop_size(self) -> int:
+        """The layer's ``transform_param.crop_size``."""
         return self.params.transform_param.crop_size
 
 
@@ -216,6 +229,7 @@ class Net:
 
     # -- the graph (owl's API) ---------------------------------------------------------------
     def add_unit(self, unit: ComputeUnit) -> int:
+        """Add ``unit`` to the graph, without edges; returns its uid."""
         uid = len(self.units)
         self.units.append(unit)
         self.adjacent.append([])
@@ -224,25 +238,31 @@ class Net:
         return uid
 
     def connect(self, u1: int, u2: int) -> None:
+        """Add the edge ``u1 -> u2`` (``u2`` reads an output of ``u1``)."""
         self.adjacent[u1].append(u2)
         self.reverse_adjacent[u2].append(u1)
 
     def get_units_by_name(self, name: str) -> list[ComputeUnit]:
+        """The units of layer ``name``, one per phase variant; ValueError naming the layers when none."""
         if name not in self.name_to_uid:
             raise ValueError(f"no layer named '{name}' in the net; its layers are: "
                            f"{', '.join(self.name_to_uid)}")
         return [self.units[u] for u in self.name_to_uid[name]]
 
     def get_loss_units(self) -> list[ComputeUnit]:
+        """The loss units of the last phase run (all of them before any)."""
         return self._in_phase([self.units[u] for u in self.loss_uids])
 
     def get_accuracy_units(self) -> list[ComputeUnit]:
+        """The accuracy units of the last phase run (all of them before any)."""
         return self._in_phase([self.units[u] for u in self.accuracy_uids])
 
     def get_data_unit(self, phase: str = "TRAIN") -> ComputeUnit | None:
+        """The first data unit of ``phase``'s net, or None."""
         return next((u for u in self.units_of(phase) if isinstance(u, DataUnit)), None)
 
     def get_weighted_unit_ids(self) -> list[int]:
+        """The uids of the units with parameters (known once a net is built)."""
         return [i for i, u in enumerate(self.units) if isinstance(u, WeightedComputeUnit)]
 
     def _in_phase(self, units):
@@ -252,6 +272,7 @@ class Net:
     # -- phases ------------------------------------------------------------------------------
     @property
     def phases_built(self) -> list[str]:
+        """The phases whose core net exists (``'TRAIN'``, ``'TEST'``)."""
         return list(self._cores)
 
     def units_of(self, phase: str) -> list[ComputeUnit]:

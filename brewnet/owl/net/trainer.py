@@ -109,6 +109,8 @@ class NetTester(_Tool):
         self._use_device(gpu_idx)
 
     def run(self, multiview=False) -> float:
+        """Test ``test_iter[0]`` batches (``multiview``: the 10 views' summed softmax, top-k);
+        prints owl's lines and returns the mean accuracy."""
         from ...analysis.multiview import topk_hits
 
         acc_unit = self._unit(self.accuracy_layer_name, AccuracyUnit)
@@ -143,6 +145,8 @@ class MultiviewTester(_Tool):
         self._use_device(gpu_idx)
 
     def run(self) -> float:
+        """Test ``test_iter[0]`` batches, top-1 of the softmax summed over 10 views; prints owl's
+        lines and returns the accuracy."""
         from ...analysis.multiview import topk_hits
 
         hits = seen = 0
@@ -188,6 +192,7 @@ class HeatmapVisualizer(_Tool):
         self._use_device(gpu_idx)
 
     def run(self, layer_name, result_path) -> list[Path]:
+        """Write a heatmap ``<i>.jpg`` of ``layer_name``'s output per test image; returns the paths."""
         from ...analysis.heatmap import from_net, save_pictures
 
         blob = self._output(layer_name)
@@ -212,6 +217,7 @@ class FilterVisualizer(_Tool):
         self._use_device(gpu_idx)
 
     def run(self) -> list[Path]:
+        """Write each channel's 9 strongest patches as ``<channel>.jpg``; returns the paths."""
         from PIL import Image
 
         from ...analysis.filters import scan
