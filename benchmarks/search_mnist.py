@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--test-iter", type=int, default=100, help="test batches of 100 images (100: all)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--skip-sequential", action="store_true")
+    ap.add_argument("--space", type=Path, help="a space file instead of the one above")
     ap.add_argument("--solver-fields-only", action="store_true",
                     help="search base_lr and momentum alone: one architecture, every group fused")
     a = ap.parse_args()
@@ -102,7 +103,8 @@ def main() -> None:
     solver = a.out / "lenet_solver.prototxt"
     solver.write_text(SOLVER.format(net=net, ti=a.test_interval, iters=a.iters, test_iter=a.test_iter))
     space = a.out / "space.yaml"
-    space.write_text("".join(line + "\n" for line in SPACE.splitlines()
+    text = a.space.read_text() if a.space else SPACE
+    space.write_text("".join(line + "\n" for line in text.splitlines()
                              if not (a.solver_fields_only and "num_output" in line)))
 
     from tqdm import tqdm
