@@ -76,7 +76,8 @@ def make_dataset(out: Path, split: str, n: int, side: int, seed: int) -> Path:
     return path
 
 
-def adapt(src: Path, dst: Path, classes: int, source: str, batch: int, size: int, label_map: str):
+def adapt(src: Path, dst: Path, classes: int, source: str, batch: int, size: int, label_map: str,
+          light: bool = False):
     """A copy of a MobileNet-SSD prototxt for ``classes`` classes, ``source``, ``batch`` and a
     ``size`` x ``size`` input (PriorBox min/max sizes scaled by size / 300)."""
     net = read_net(str(src))
@@ -95,6 +96,10 @@ def adapt(src: Path, dst: Path, classes: int, source: str, batch: int, size: int
             layer.annotated_data_param.label_map_file = label_map
             rp = layer.transform_param.resize_param
             rp.height = rp.width = size
+            if light:       # --light-augment: no expansion, distortion or sampled crops
+                for field in ("expand_param", "distort_param"):
+                    layer.transform_param.ClearField(field)
+                layer.annotated_data_param.ClearField("batch_sampler")
         if layer.type == "PriorBox" and size != 300:
             p = layer.prior_box_param
             p.min_size[:] = [v * size / 300 for v in p.min_size]
@@ -133,6 +138,8 @@ def main(argv=None) -> None:
     ap.add_argument("--base-lr", type=float, default=0.001)
     ap.add_argument("--ap-version", default="11point", choices=["11point", "MaxIntegral", "Integral"])
     ap.add_argument("--weights", type=Path, help="fine-tune from these weights (a previous run's)")
+    ap.add_argument("--light-augment", action="store_true",
+                    help="train without SSD's expansion, distortion and sampled crops (mirror and resize stay)")
     a = ap.parse_args(argv)
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -144,10 +151,10 @@ def main(argv=None) -> None:
                     "--root-folder", f"{out}/")
     classes = len(SHAPES) + 1
     adapt(MODELS / "train.prototxt", out / "train.prototxt", classes, str(out / "train_lmdb"),
-          a.batch, a.size, str(lm))
+          a.batch, a.size, str(lm), a.light_augment)
     adapt(MODELS / "voc" / "MobileNetSSD_test.prototxt", out / "test.prototxt", classes,
           str(out / "test_lmdb"), 10, a.size, str(lm))
-    prefix = "ssd_shapes_ft" if a.weights else "ssd_shapes"
+    prefix = ("ssd_shapes_ft" if a.weights else "ssd_shapes") + ("_light" if a.light_augment else "")
     (out / "solver.prototxt").write_text(f"""train_net: "{out}/train.prototxt"
 base_lr: {a.base_lr}
 lr_policy: "multistep"
