@@ -34,7 +34,13 @@ def severity_letter(levelno: int) -> str:
 
 
 class GlogFormatter(logging.Formatter):
-    """``<L><mmdd> <hh:mm:ss.uuuuuu> <tid:5> <file>:<line>] <message>`` in local time."""
+    """``<L><mmdd> <hh:mm:ss.uuuuuu> <tid:5> <file>:<line>] <message>`` in local time;
+    ``strip``: a prefix taken off the message (one run's lines of a shared log, written to that
+    run's own file as a plain single-solver log)."""
+
+    def __init__(self, strip: str = ""):
+        super().__init__()
+        self.strip = strip
 
     def format(self, record: logging.LogRecord) -> str:
         t = datetime.datetime.fromtimestamp(record.created)
@@ -42,7 +48,10 @@ class GlogFormatter(logging.Formatter):
         tid = threading.get_native_id()
         prefix = (f"{severity_letter(record.levelno)}{t:%m%d %H:%M:%S}.{t.microsecond:06d} "
                   f"{tid:5d} {record.filename}:{record.lineno}] ")
-        text = prefix + record.getMessage()
+        message = record.getMessage()
+        if self.strip and message.startswith(self.strip):
+            message = message[len(self.strip):]
+        text = prefix + message
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         return text

@@ -54,19 +54,6 @@ class Member:
         return f"[t{self.trial.number}] "
 
 
-class _TrialLog(logging.Formatter):
-    """A trial's own lines, glog-formatted, without its prefix."""
-
-    def __init__(self, prefix: str):
-        from ..analysis.glog import GlogFormatter
-
-        super().__init__()
-        self.prefix, self.glog = prefix, GlogFormatter()
-
-    def format(self, record) -> str:
-        return self.glog.format(record).replace("] " + self.prefix, "] ", 1)
-
-
 class Group:
     """Trials trained at once: ``engine`` "fused" or "together"; ``step()`` runs one iteration
     of every member still in; ``drop(i)`` takes member i out; ``done(i)``: solved, last test run."""
@@ -144,12 +131,13 @@ class Search:
     trains until the study has ``trials`` trials (see the module docstring). ``objective``:
     "NAME[:max|min]"; ``sampler``/``pruner``: names (``study.SAMPLERS``/``PRUNERS``) or Optuna
     objects; ``storage``: a URL or journal path (default ``out/study.journal``); ``on_told(trial)``
-    is called as each trial ends here."""
+    is called as each trial ends here; ``log_format(prefix)``: the Formatter of a trial's
+    train.log (the CLI passes Caffe's glog format)."""
 
     def __init__(self, solver, space, trials: int, out: str, group: int = 4,
                  objective: str = "accuracy:max", sampler="tpe", pruner="median", storage=None,
                  study: str | None = None, seed: int | None = None, device=None, fuse=None,
-                 exact: bool = True, heartbeat: int = 60, on_told=None):
+                 exact: bool = True, heartbeat: int = 60, on_told=None, log_format=None):
         if trials < 1 or group < 1:
             raise SearchError(f"--trials and --group must be >= 1, got {trials} and {group}")
         st.optuna()                                   # installed, or say how, before any work
@@ -157,6 +145,8 @@ class Search:
         self.trials, self.k, self.out, self.seed = trials, group, os.path.abspath(out), seed
         self.device, self.fuse, self.exact, self.on_told = device, fuse, exact, on_told
         self.heartbeat = heartbeat
+        # A trial's train.log: log_format(prefix) -> its Formatter (the CLI's: Caffe's glog lines).
+        self.log_format = log_format or (lambda prefix: logging.Formatter("%(message)s"))
         self.objective, direction = st.parse_objective(objective)
         base = self.space.base
         self._check_objective(base)
@@ -250,7 +240,7 @@ class Search:
     def _log_file(self, m: Member):
         os.makedirs(m.folder, exist_ok=True)
         h = logging.FileHandler(os.path.join(m.folder, "train.log"), mode="w")
-        h.setFormatter(_TrialLog(m.prefix))
+        h.setFormatter(self.log_format(m.prefix))
         h.addFilter(lambda r, p=m.prefix: r.getMessage().startswith(p))
         log.addHandler(h)
         return h

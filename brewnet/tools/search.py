@@ -74,6 +74,7 @@ def run(args) -> int:
             return _show(args)
         if not args.solver or not args.space:
             raise ValueError("--solver and --space are required (or --show)")
+        from ..analysis.glog import GlogFormatter
         from ..many.search import Search
 
         out = args.out or f"{Path(args.solver).stem}_search"
@@ -83,7 +84,8 @@ def run(args) -> int:
                             objective=args.objective, sampler=args.sampler, pruner=args.pruner,
                             storage=args.storage, study=args.study, seed=args.seed, device=device,
                             fuse=args.fuse, exact=args.fuse_form == "exact", heartbeat=args.heartbeat,
-                            on_told=None if bar is None else lambda t: bar.update(1))
+                            on_told=None if bar is None else lambda t: bar.update(1),
+                            log_format=lambda prefix: GlogFormatter(strip=prefix))
             if bar is not None:         # a resumed study: the trials it has finished
                 bar.update(min(args.trials, sum(t.state.is_finished() for t in
                                                 st.counted(search.study.get_trials(deepcopy=False)))))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from ..analysis.glog import GlogFormatter
 from .common import USER_ERRORS, add_gpu_flag, progress_bar, report, single_device
 
 COMMAND = "sweep"
@@ -31,26 +32,13 @@ def add_arguments(p) -> None:
     add_gpu_flag(p)
 
 
-class _VariantLog(logging.Formatter):
-    """One variant's lines, in glog's format, without its prefix: a plain single-solver log."""
-
-    def __init__(self, prefix: str):
-        from ..analysis.glog import GlogFormatter
-
-        super().__init__()
-        self.prefix, self.glog = prefix, GlogFormatter()
-
-    def format(self, record) -> str:
-        return self.glog.format(record).replace("] " + self.prefix, "] ", 1)
-
-
 def _log_files(names, prefixes, out):
     import os
 
     handlers = []
     for name, prefix in zip(names, prefixes):
         h = logging.FileHandler(os.path.join(out, name, "train.log"), mode="w")
-        h.setFormatter(_VariantLog(prefix))
+        h.setFormatter(GlogFormatter(strip=prefix))
         h.addFilter(lambda r, p=prefix: r.getMessage().startswith(p))
         log.addHandler(h)
         handlers.append(h)
