@@ -6,3 +6,7 @@ from .convert import compute_mean, convert_imageset, convert_mnist  # noqa: F401
 from .db import DBError, open_db, open_writer  # noqa: F401
 from .prefetch import Prefetcher, plan_threads  # noqa: F401
 from .transform import DataTransformer  # noqa: F401
+
+# The disk-reading layer types, registered with brewnet.layers: Data, ImageData, AnnotatedData,
+# HDF5Data, HDF5Output, WindowData.
+from . import annotated, hdf5, layers, window  # noqa: E402,F401

@@ -232,6 +232,3 @@ class ImageData(Prefetching):
 
     def reshape(self, bottom_shapes):
         return list(self.shapes)
-
-
-from . import annotated, hdf5, window  # noqa: E402,F401  (register AnnotatedData, HDF5Data, HDF5Output, WindowData)

@@ -28,7 +28,7 @@ import threading
 
 import torch
 
-from .step_graph import StepGraph
+from .step_graph import DEVICE_GRAPHS, StepGraph
 
 log = logging.getLogger("brewnet")
 WARMUP = 3      # eager runs on a side stream before capture (torch's docs use 3 for DDP/AMP)
@@ -106,3 +106,6 @@ class CudaStepGraph(StepGraph):
 
     def _run(self, xs) -> tuple:
         return self.captured(xs)
+
+
+DEVICE_GRAPHS["cuda"] = (CudaStepGraph, device_refusal)

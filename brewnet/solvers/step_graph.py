@@ -71,7 +71,6 @@ def refusal(solver) -> str | None:
         return "iter_size > 1"
     if net.param.force_backward:
         return "force_backward"
-    from .cuda_graph import device_refusal
     why = device_refusal(net.device, asked=mode() == "1")
     if why:
         return why
@@ -85,6 +84,19 @@ def refusal(solver) -> str | None:
         if layer.type not in PURE or not type(layer).__module__.startswith("brewnet.layers"):
             return f"layer '{layer.name}' of type {layer.type}"
     return None
+
+
+# A device's graphs: {device type: (StepGraph subclass, its refusal(device, asked))}, registered
+# by the module that captures them (cuda_graph.py, imported with brewnet.solvers).
+DEVICE_GRAPHS: dict[str, tuple] = {}
+
+
+def device_refusal(device: torch.device, asked: bool = True) -> str | None:
+    """Why a graph cannot be recorded for a net on ``device`` (None: it can)."""
+    if device.type == "cpu":
+        return None
+    kind = DEVICE_GRAPHS.get(device.type)
+    return kind[1](device, asked) if kind else f"device {device}: no CUDA graphs there"
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -157,9 +169,8 @@ class StepGraph:
     ``cuda_graph.CudaStepGraph`` (the recorded graph captured as a CUDA graph)."""
 
     def __new__(cls, net):
-        if cls is StepGraph and net.device.type == "cuda":
-            from .cuda_graph import CudaStepGraph
-            cls = CudaStepGraph
+        if cls is StepGraph and net.device.type in DEVICE_GRAPHS:
+            cls = DEVICE_GRAPHS[net.device.type][0]
         return super().__new__(cls)
 
     def __init__(self, net):
