@@ -115,6 +115,22 @@ _IMPORT_PID = os.getpid()
 
 
 @contextlib.contextmanager
+def blas_on_one_thread_here():
+    """MKL on one thread inside the block (its thread-local count), the caller's after: for a
+    product under ``threads.TINY_FLOPS``, which strict mode still splits by thread count and
+    threads do not speed up (an inference InnerProduct of a few rows, 4 x 108 x 5 measured)."""
+    fn = _mkl_set_local()
+    if fn is None:
+        yield
+        return
+    before = fn(1)
+    try:
+        yield
+    finally:
+        fn(before)
+
+
+@contextlib.contextmanager
 def blas_on_torch_threads(large: bool = True):
     """MKL on torch's thread count inside the block, for a large product (strict mode kept
     one order on 1 and 2 threads for every shape of a few MFLOP and more tried here; the fused

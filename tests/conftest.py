@@ -15,6 +15,9 @@ import os
 
 import pytest
 
+# Vendored third-party code (Caffe's own pycaffe tests) runs through brewnet run in test_dropin.py.
+collect_ignore = ["data"]
+
 SWITCH = "BREWNET_TEST_DEVICE"
 # The device parity tests, by module: what each proves on a device. A module not listed here
 # tests the CPU (its kernels, its allocator, files, the CLI's text...) and is skipped whole;

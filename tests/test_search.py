@@ -251,7 +251,7 @@ def two_workers(solver_file, tmp_path, storage):
     study = st.load(storage, "tiny_solver")
     counted = st.counted(study.get_trials())
     assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
-    ran = [int(d.name) for o in outs for d in (o / "trials").iterdir()]
+    ran = [int(d.name) for o in outs if (o / "trials").is_dir() for d in (o / "trials").iterdir()]
     assert sorted(ran) == sorted(t.number for t in counted)         # each trial ran once, somewhere
     assert len({t.user_attrs["worker"] for t in counted}) == 2         # both workers trained
     assert not [t for t in study.get_trials() if t.state.name in ("RUNNING", "WAITING")]

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import determinism
+from .. import determinism, threads
 
 FLT_MAX = 3.4028234663852886e38   # Caffe's start value for MAX pooling (-FLT_MAX)
 FLT_MIN = 1.1754943508222875e-38  # Caffe's start value for the STOCHASTIC TEST denominator
@@ -260,6 +260,9 @@ def inner_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
             and _dnn_linear() is not None):
         return _DnnInnerProduct.apply(x, w, b, transpose)
     wt = w if transpose else w.t()
+    if x.device.type == "cpu" and 2 * x.shape[0] * wt.shape[0] * wt.shape[1] < threads.TINY_FLOPS:
+        with determinism.blas_on_one_thread_here():      # the same bits on any thread count
+            return x @ wt if b is None else torch.addmm(b, x, wt)
     return x @ wt if b is None else torch.addmm(b, x, wt)
 
 
