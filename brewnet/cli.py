@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     k = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
     if k is not None and getattr(COMMANDS.get(argv[k]), "PASS_THROUGH", False):
-        return _run_pass_through(parser, argv, k)
+        return _run_pass_through(parser, sub, argv, k)
     argv = _gnu_flags(argv)
     if k is not None and argv[k] in sub.choices:
         unknown = _unknown_flags(argv[k + 1:], sub.choices[argv[k]])
@@ -90,10 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _run_pass_through(parser, argv: list[str], k: int) -> int:
+def _run_pass_through(parser, sub, argv: list[str], k: int) -> int:
     """A command that runs someone else's program (``brewnet run``): brewnet's own flags come
     before the program's name; everything after it is the program's, untouched."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     mod = COMMANDS[argv[k]]
     if any(a in ("-h", "--help") for a in argv[:k]):
         parser.parse_args(argv)

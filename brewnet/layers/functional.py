@@ -7,6 +7,7 @@ torch's in a few corners: each such place says so.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from typing import Sequence
@@ -260,11 +261,11 @@ def inner_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
             and _dnn_linear() is not None):
         return _DnnInnerProduct.apply(x, w, b, transpose)
     wt = w if transpose else w.t()
-    if (x.device.type == "cpu" and not torch.compiler.is_compiling()     # no guard on a traced batch
-            and 2 * x.shape[0] * wt.shape[0] * wt.shape[1] < threads.TINY_FLOPS):
-        with determinism.blas_on_one_thread_here():      # the same bits on any thread count
-            return x @ wt if b is None else torch.addmm(b, x, wt)
-    return x @ wt if b is None else torch.addmm(b, x, wt)
+    tiny = (x.device.type == "cpu" and not torch.compiler.is_compiling()   # no guard on a traced batch
+            and 2 * x.shape[0] * wt.shape[0] * wt.shape[1] < threads.TINY_FLOPS)
+    # a tiny product: MKL on one thread, for the same bits on any thread count
+    with determinism.blas_on_one_thread_here() if tiny else contextlib.nullcontext():
+        return x @ wt if b is None else torch.addmm(b, x, wt)
 
 
 # -- LRN -------------------------------------------------------------------------------------
