@@ -236,21 +236,23 @@ def test_resume_after_kill_9(solver_file, tmp_path):
         retry = [t for t in after if t.system_attrs.get("failed_trial") == n]
         assert len(retry) == 1 and retry[0].params == params and retry[0].state.name == "COMPLETE"
     counted = st.counted(after)
-    assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
+    assert len(counted) == 8 and all(t.state.name == "COMPLETE" for t in counted)
 
 
 def two_workers(solver_file, tmp_path, storage):
     space(tmp_path, SPACE)
-    solver_file.write_text(SOLVER.format(iters=6))
+    # Trials long enough (40 iterations, 8 of them) that the worker which starts second, after
+    # its interpreter and torch load, still finds trials to take on a loaded machine.
+    solver_file.write_text(SOLVER.format(iters=40))
     outs = [tmp_path / "w0", tmp_path / "w1"]
-    procs = [subprocess.Popen(search_cmd(solver_file, o, storage, trials=4), stdout=subprocess.DEVNULL,
+    procs = [subprocess.Popen(search_cmd(solver_file, o, storage, trials=8), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for o in outs]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
     study = st.load(storage, "tiny_solver")
     counted = st.counted(study.get_trials())
-    assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
+    assert len(counted) == 8 and all(t.state.name == "COMPLETE" for t in counted)
     ran = [int(d.name) for o in outs if (o / "trials").is_dir() for d in (o / "trials").iterdir()]
     assert sorted(ran) == sorted(t.number for t in counted)         # each trial ran once, somewhere
     assert len({t.user_attrs["worker"] for t in counted}) == 2         # both workers trained
