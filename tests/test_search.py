@@ -236,7 +236,7 @@ def test_resume_after_kill_9(solver_file, tmp_path):
         retry = [t for t in after if t.system_attrs.get("failed_trial") == n]
         assert len(retry) == 1 and retry[0].params == params and retry[0].state.name == "COMPLETE"
     counted = st.counted(after)
-    assert len(counted) == 8 and all(t.state.name == "COMPLETE" for t in counted)
+    assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
 
 
 def two_workers(solver_file, tmp_path, storage):
