@@ -148,6 +148,15 @@ def test_seeded_search_is_reproducible(solver_file, tmp_path, capsys):
     assert shown[0] == "Study tiny_solver:" and shown[1:] == text.splitlines()[1:len(shown)]
 
 
+def test_trials_asked_together_fuse_where_their_nets_are_alike(solver_file, tmp_path):
+    search = Search(str(solver_file), str(space(tmp_path, TOPOLOGY)), 4, str(tmp_path / "o"), group=4,
+                    pruner="none", seed=3)
+    for width, lr in ((8, 0.01), (12, 0.02), (8, 0.03), (16, 0.04)):
+        search.study.enqueue_trial({"base_lr": lr, "momentum": 0.9, "ip1.num_output": width})
+    engines = {t.params["ip1.num_output"]: t.user_attrs["engine"] for t in search.run().trials}
+    assert engines == {8: "fused x2", 12: "together x2", 16: "together x2"}
+
+
 class PruneTrial1(optuna.pruners.BasePruner):
     def prune(self, study, trial):
         return trial.number == 1

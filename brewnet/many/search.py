@@ -2,11 +2,11 @@
 
 ``Search(solver, space, trials=N, group=K, ...)``: ``run()`` asks the study for up to K trials
 (ask-and-tell), applies each one's values to the solver and its nets (``space.Space``) and
-trains them as one group: fused when their architectures match (``FusedSolvers``; by default
+trains them in groups: those whose nets came out alike fused (``FusedSolvers``; by default
 its exact formulation, each net's own kernels, so a trial's numbers are those of training it
 alone whichever group it is in, and a member leaving changes no other's bits; ``exact=False``:
-the faster wide one, whose float32 sums depend on the group's width), else together
-(``TrainTogether``), each batch read once for the group. At each test (every
+the faster wide one, whose float32 sums depend on the group's width), the others together
+(``TrainTogether``), each batch read once per group. At each test (every
 ``test_interval``; not the one at iteration 0, which tells nothing of a setting) each net's
 objective, a named TEST output, is reported to its trial; a trial the pruner stops leaves its
 group at once (``drop``: the others go on with the bits they would have had) and the freed slot
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from ..solvers.logprefix import log_prefix
 from . import study as st
-from .space import SearchError, Space, write_prototxts
+from .space import SearchError, Space, inline_nets, write_prototxts
 
 log = logging.getLogger("brewnet")
 NET_SEED = 1701
@@ -220,6 +220,16 @@ class Search:
         return Member(trial, p, folder)
 
     def _start(self, members) -> list[Group]:
+        """Members as groups: those with the same nets (a searched net field drew alike) as a
+        group each, to be fused; the rest as one group, together."""
+        alike: dict[bytes, list[Member]] = {}
+        for m in members:
+            alike.setdefault(b"".join(n.SerializeToString() for n in inline_nets(m.param)), []).append(m)
+        parts = [c for c in alike.values() if len(c) > 1]
+        rest = [c[0] for c in alike.values() if len(c) == 1]
+        return [g for part in parts + ([rest] if rest else []) for g in self._group(part)]
+
+    def _group(self, members) -> list[Group]:
         """Members as a group; those whose nets cannot be built fail alone (said why)."""
         for m in members:
             m.handler = self._log_file(m)
@@ -233,7 +243,7 @@ class Search:
             raise
         except USER_ERRORS as e:
             if len(members) > 1:
-                return [g for m in members for g in self._start([m])]
+                return [g for m in members for g in self._group([m])]
             self._tell(members[0], "FAIL", error=str(e))
             return []
 

@@ -192,7 +192,8 @@ def _inline(param, path) -> None:
         param.test_net_param[i].CopyFrom(upgrade_net(n))
 
 
-def _nets(param) -> list:
+def inline_nets(param) -> list:
+    """The nets a solver holds inline (train first, then tests), as NetParameter messages."""
     return [getattr(param, f) for f in ("net_param", "train_net_param") if param.HasField(f)] + \
         list(param.test_net_param)
 
@@ -207,7 +208,7 @@ def _own_message(lp) -> str:
 
 def _net_field(param, key: str, where: str) -> tuple:
     """(layer, message field or "", field descriptor) for ``LAYER.FIELD`` / ``LAYER.MSG.FIELD``."""
-    layers = {lp.name: lp for net in _nets(param) for lp in net.layer}
+    layers = {lp.name: lp for net in inline_nets(param) for lp in net.layer}
     parts = key.split(".")
     for i in range(len(parts) - 1, 0, -1):
         name = ".".join(parts[:i])
@@ -315,7 +316,7 @@ class Space:
                 _set(p, d.fd, typed)
                 continue
             layer, msg, _ = d.path
-            for net in _nets(p):
+            for net in inline_nets(p):
                 for lp in net.layer:
                     if lp.name == layer:
                         _set(getattr(lp, msg) if msg else lp, d.fd, typed)
