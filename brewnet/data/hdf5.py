@@ -9,6 +9,8 @@ import numpy as np
 import torch
 
 from ..layers.data import SourceLayer
+from ..layers.origins import FileRows
+from ..layers.origins import note as note_origin
 from ..layers.registry import register
 from ..proto import caffe_pb2 as pb
 from .source import check_batch
@@ -26,13 +28,29 @@ def _resolve(name: str, list_path: str) -> str:
     return alt if os.path.exists(alt) else name
 
 
+def _check_finite(values: np.ndarray, name: str, path: str, layer, chunk: int = 1 << 20) -> None:
+    """A NaN or inf in a dataset is an error naming the file, dataset and row (as a Data
+    layer's float record names its key): checked once per file load, ``chunk`` values at a
+    time so a large file needs no second copy in memory."""
+    flat = values.reshape(len(values), -1)
+    step = max(1, chunk // max(1, flat.shape[1]))
+    for lo in range(0, len(flat), step):
+        bad = ~np.isfinite(flat[lo:lo + step])
+        if bad.any():
+            r, j = (int(v[0]) for v in np.nonzero(bad))
+            raise layer.fail(f"HDF5 file {path}: row {lo + r} of dataset {name!r} holds a "
+                             f"non-finite value ({flat[lo + r, j]} at element {j} of the row)")
+
+
 @register("HDF5Data")
 class HDF5Data(SourceLayer):
     """Rows of HDF5 datasets named like the tops, from the files listed in ``source``, read in
     file order (or shuffled files and rows), wrapping around. Values become float32.
     Shapes: none -> one top per dataset, (batch_size,) + dataset.shape[1:].
     Params: hdf5_data_param {source, batch_size, shuffle}. Several workers (``shard``): each
-    takes the rows whose running index is its rank mod the count, as Caffe 1.0's Skip."""
+    takes the rows whose running index is its rank mod the count, as Caffe 1.0's Skip.
+    Differs from Caffe: a NaN or inf in a file is an error naming file, dataset and row (Caffe
+    trains on it, into a NaN loss)."""
 
     min_tops = 1
 
@@ -82,7 +100,9 @@ class HDF5Data(SourceLayer):
                 if b.shape[1:] != s[1:]:
                     raise self.fail(f"dataset {t!r} in {path} has rows of shape {b.shape[1:]}, "
                                     f"the first file's have {s[1:]}")
-        self.blobs_in_file = blobs
+        for t, b in zip(tops, blobs):
+            _check_finite(b, t, path, self)
+        self.blobs_in_file, self.path = blobs, path
         self.row_order = np.arange(blobs[0].shape[0])
         if self.shuffle:
             self.rng.shuffle(self.row_order)
@@ -110,41 +130,46 @@ class HDF5Data(SourceLayer):
     def reshape(self, bottom_shapes):
         return list(self.shapes)
 
-    def _tops(self, arrays) -> list:
+    def _tops(self, arrays, runs) -> list:
+        """The batch's tops; ``runs``: the (file, rows) it was read from, for ``origins``."""
         tops = [torch.from_numpy(a) for a in arrays]
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            return tops
-        return [t.to(device=self.device, dtype=self.dtype) for t in tops]
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            tops = [t.to(device=self.device, dtype=self.dtype) for t in tops]
+        note_origin(self, tops, FileRows(runs))
+        return tops
 
     def forward(self, bottoms):
         n, row = self.batch_size, self.current_row
         if self.count == 1 and row + n < len(self.row_order):
             # inside the current file with a row left after it: nothing wraps, no file changes,
-            # so one fancy-index copy per top
-            rows = self.row_order[row:row + n]
+            # so one fancy-index copy per top (the rows copied: a reshuffle reorders row_order)
+            rows = self.row_order[row:row + n].copy()
             self.current_row, self.offset = row + n, self.offset + n
-            return self._tops([b[rows] for b in self.blobs_in_file])
+            return self._tops([b[rows] for b in self.blobs_in_file], [(self.path, rows)])
         outs = [np.empty(s, np.float32) for s in self.shapes]
+        runs = []
         if self.count > 1:              # a worker's share: Caffe 1.0's Skip, row by row
             for i in range(self.batch_size):
                 while self.offset % self.count != self.rank:
                     self._next()
                 row = self.row_order[self.current_row]
+                runs.append((self.path, [row]))
                 for o, b in zip(outs, self.blobs_in_file):
                     o[i] = b[row]
                 self._next()
-            return self._tops(outs)
+            return self._tops(outs, runs)
         i = 0
         while i < self.batch_size:      # runs of rows within the current file, one take each
             n = min(self.batch_size - i, len(self.row_order) - self.current_row)
-            rows = self.row_order[self.current_row:self.current_row + n]
+            rows = self.row_order[self.current_row:self.current_row + n].copy()
+            runs.append((self.path, rows))
             for o, b in zip(outs, self.blobs_in_file):
                 np.take(b, rows, axis=0, out=o[i:i + n])
             self.current_row += n - 1
             self.offset += n - 1
             self._next()                # the last row of the run: wraps files as Caffe does
             i += n
-        return self._tops(outs)
+        return self._tops(outs, runs)
 
 
 @register("HDF5Output")

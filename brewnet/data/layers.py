@@ -16,6 +16,7 @@ import logging
 import numpy as np
 import torch
 
+from ..layers.origins import ListLines, Records
 from ..layers.registry import register
 from ..proto import caffe_pb2 as pb
 from .convert import ListError, read_list
@@ -38,6 +39,10 @@ class _DatumLoader(Loader):
         self.cursor, self.source, self.batch_size = cursor, source, batch_size
         self.tf, self.with_label = transformer, with_label
         self.offset, self.rank, self.count = 0, 0, 1
+        self.keys: list = []        # the last batch's record keys
+
+    def origin(self) -> Records:
+        return Records(self.source, self.keys)
 
     def shard(self, rank: int, count: int) -> None:
         self.rank, self.count = rank, count
@@ -61,8 +66,11 @@ class _DatumLoader(Loader):
         they lie in memory (``Cursor.take``)."""
         if self.count == 1:
             self.offset += self.batch_size
-            return self.cursor.take(self.batch_size)
+            keys, values, where = self.cursor.take(self.batch_size)
+            self.keys = keys
+            return keys, values, where
         keys, values = [], []
+        self.keys = keys
         for _ in range(self.batch_size):
             while self.offset % self.count != self.rank:
                 self.cursor.advance()
@@ -152,6 +160,7 @@ class _ImageLoader(Loader):
         self.lines, self.list_path, self.root = lines, list_path, root
         self.size, self.color, self.shuffle = size, color, shuffle
         self.batch_size, self.tf, self.pos = batch_size, tf, pos
+        self.picked: list = []      # the last batch's (name, label, line number) entries
 
     def state(self) -> dict:
         return {"pos": self.pos, "rng": self.tf.rng.bit_generator.state,
@@ -175,10 +184,15 @@ class _ImageLoader(Loader):
             raise OSError(f"{self.list_path} line {lineno}: {e}") from None
         return hwc_to_chw(img)
 
+    def origin(self) -> ListLines:
+        return ListLines(self.list_path, self.root, self.picked)
+
     def next_batch(self):
         images, labels = [], np.empty(self.batch_size, np.float32)
+        self.picked = []            # the batch's list lines, for origin()
         for i in range(self.batch_size):
             images.append(self.read(self.pos))
+            self.picked.append(self.lines[self.pos])
             labels[i] = self.lines[self.pos][1]
             self.pos += 1
             if self.pos >= len(self.lines):

@@ -23,6 +23,8 @@ import torch
 
 from ..layers.base import LayerError
 from ..layers.data import SourceLayer
+from ..layers.origins import Origin
+from ..layers.origins import note as note_origin
 from .db import DBError
 from .prefetch import Prefetcher
 from .transform import TransformError
@@ -52,10 +54,14 @@ class Loader:
     def set_state(self, state: dict) -> None:
         raise NotImplementedError
 
-    def __call__(self) -> tuple[list[torch.Tensor], dict | None]:
-        # The position after the batch travels with it: the prefetcher runs ahead, and a
-        # snapshot must record where the consumer stands, not the producer.
-        return self.next_batch(), self.state()
+    def origin(self) -> Origin | None:
+        """The records of the batch ``next_batch`` made last (None: the loader cannot say)."""
+        return None
+
+    def __call__(self) -> tuple[list[torch.Tensor], dict | None, Origin | None]:
+        # The position after the batch and its records travel with it: the prefetcher runs
+        # ahead, and a snapshot or a bad label must see the consumer's batch, not the producer's.
+        return self.next_batch(), self.state(), self.origin()
 
 
 class Prefetching(SourceLayer):
@@ -98,10 +104,10 @@ class Prefetching(SourceLayer):
     def forward(self, bottoms):
         try:
             if self.prefetcher is not None:
-                batch, state = self.prefetcher.get()
+                batch, state, origin = self.prefetcher.get()
             else:
                 t0 = time.perf_counter()
-                batch, state = self.loader()
+                batch, state, origin = self.loader()
                 t1 = time.perf_counter()
                 self.wait_s += t1 - t0
                 if self.auto:
@@ -109,7 +115,9 @@ class Prefetching(SourceLayer):
             self.consumed_state = state
         except (DBError, TransformError, OSError) as e:
             raise layer_error(self, e) from None
-        return [t.to(device=self.device, dtype=self.dtype, non_blocking=True) for t in batch]
+        tops = [t.to(device=self.device, dtype=self.dtype, non_blocking=True) for t in batch]
+        note_origin(self, tops, origin)
+        return tops
 
     def _choose(self, load_s: float, now: float) -> None:
         if self._timed is None:     # the first batch (cold caches, the open) starts the clock

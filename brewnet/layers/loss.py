@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..proto import caffe_pb2 as pb
 from .base import Layer, canonical_axis, count
+from .origins import find as find_origin
 from .registry import register
 
 FULL, VALID, BATCH_SIZE, NONE = 0, 1, 2, 3   # LossParameter.NormalizationMode
@@ -58,7 +59,8 @@ def check_labels(layer, label: torch.Tensor, k: int, ignore: int | None = None) 
     """Caffe CHECKs 0 <= label < K at every non-ignored position; torch's scatter_/gather
     would fail with an index error that names neither the layer nor the value. While a step
     graph is traced the check is recorded instead (it branches on values), and run before each
-    replay (brewnet/solvers/step_graph.py)."""
+    replay (brewnet/solvers/step_graph.py). A failure names the record the label was read from
+    when a data layer noted its batch (``origins.py``)."""
     record = getattr(DEFERRED, "record", None)
     if record is not None:
         record.append((layer, label, k, ignore))
@@ -75,9 +77,11 @@ def check_labels(layer, label: torch.Tensor, k: int, ignore: int | None = None) 
         bad &= lab.long() != ignore
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
+        origin = find_origin(label, i)     # the record: which data layer item holds position i
         raise layer.fail(f"label {lab[i].item():g} at position {i} is out of range: labels must "
                          f"be in [0, {k}) for {k} classes"
-                         + ("" if ignore is None else f" (or the ignore_label {ignore})"))
+                         + ("" if ignore is None else f" (or the ignore_label {ignore})")
+                         + ("" if origin is None else f"; it was read from {origin}"))
 
 
 class _WeightedLogLoss(torch.autograd.Function):
