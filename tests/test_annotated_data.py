@@ -10,13 +10,13 @@ import pytest
 from google.protobuf import text_format
 
 from brewnet import Net
-from brewnet.analysis.detection_map import DetectionMAP, average_precision
 from brewnet.data import augment as A
 from brewnet.data.annoset import annotated_datum, label_map_from
 from brewnet.data.boxes import Annos, batch_samples, place_box, satisfies, transform_annos
 from brewnet.data.db import open_writer
 from brewnet.layers import LayerError
 from brewnet.proto import caffe_pb2 as pb
+from brewnet.solvers.detection_eval import DetectionMAP, average_precision
 
 f32 = np.float32
 

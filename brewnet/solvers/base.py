@@ -21,8 +21,8 @@ from ..blob import diff_viewed
 from ..data import cursors
 from ..net import Net
 from ..proto import caffe_pb2 as pb
+from . import detection_eval, step_graph
 from . import snapshot as ss
-from . import step_graph
 from .guards import LossNotFiniteError, nonfinite_origin, signal_effects
 from .logprefix import prefixed
 from .lr_policy import policy
@@ -101,6 +101,7 @@ class Solver:
                     n.copy_from(path)
         for n in self.test_nets:
             self.share_weights(n)
+        detection_eval.check(p, self.test_nets)
         self.iter, self.current_step = 0, 0
         self.loss = self.smoothed_loss = float("nan")
         self._losses: list = []
@@ -441,13 +442,16 @@ class Solver:
     @prefixed
     def test(self, k: int = 0) -> dict:
         """Run test net ``k`` for ``test_iter[k]`` batches; returns ``{output: mean}`` and logs
-        Caffe's "Test net output" lines."""
+        Caffe's "Test net output" lines. Under SSD's ``eval_type: "detection"`` each output
+        is the mAP of its DetectionEvaluate rows over the batches (``detection_eval``)."""
         p = self.param
         log.info("Iteration %d, Testing net (#%d)", self.iter, k)
         net = self.test_nets[k]
         self.share_weights(net)
         feed = self.test_feeds[k] if k < len(self.test_feeds) else None
         sums, loss = None, f32(0)
+        maps = {n: detection_eval.DetectionMAP() for n in net.outputs} \
+            if p.eval_type == "detection" else None
         with torch.no_grad():
             for i in range(p.test_iter[k]):
                 request = self._take_request()
@@ -465,11 +469,18 @@ class Solver:
                 iter_loss = net.forward_tensors()
                 if p.test_compute_loss:
                     loss += f32(iter_loss.item())
+                if maps is not None:
+                    for n, m in maps.items():
+                        m.add(net.blobs[n].tensor.detach().float().cpu().numpy())
+                    continue
                 outs = torch.cat([net.blobs[n].tensor.detach().reshape(-1).float() for n in net.outputs]) \
                     if net.outputs else torch.zeros(0)
                 sums = outs.clone() if sums is None else sums.add_(outs)
         if p.test_compute_loss:
             log.info("Test loss: %g", loss / f32(p.test_iter[k]))
+        if maps is not None:
+            self.test_scores[k] = detection_eval.report(maps, p.ap_version, p.show_per_class_result)
+            return self.test_scores[k]
         means = (sums / p.test_iter[k]).cpu().numpy() if sums is not None else np.zeros(0, np.float32)
         out, pos = {}, 0
         for n in net.outputs:

@@ -20,7 +20,7 @@ import logging
 
 import numpy as np
 
-from ..analysis.detection_map import AP_VERSIONS, DetectionMAP
+from ..solvers.detection_eval import AP_VERSIONS, DetectionMAP, log_aps
 from .common import (
     USER_ERRORS,
     CLIError,
@@ -190,10 +190,6 @@ def run(args) -> int:
 
 def report_map(name: str, m: DetectionMAP, version: str, per_class: bool) -> None:
     """SSD's solver lines: per class AP (``per_class``), then the output's mAP."""
-    for label, ap in m.aps(version).items():
-        if ap is None:
-            log.warning("Missing true_pos for label: %d", label)
-        elif per_class:
-            log.info("class%d: %g", label, ap)
+    log_aps(m, version, per_class)
     log.info("%s = %g (mAP, %s, %d ground-truth boxes)", name, m.mean_ap(version), version,
              sum(m.num_pos.values()))

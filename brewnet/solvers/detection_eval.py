@@ -1,5 +1,6 @@
-"""Detection mAP as SSD's solver computes it (weiliu89/caffe ``Solver::TestDetection`` and
-``ComputeAP`` in ``util/bbox_util.cpp``) from DetectionEvaluate's rows.
+"""SSD's detection test (weiliu89/caffe ``Solver::TestDetection`` under ``eval_type:
+"detection"``) and its mAP (``ComputeAP`` in ``util/bbox_util.cpp``), from DetectionEvaluate's
+rows; ``brewnet test`` scores a detection net with the same maths.
 
 Each test batch gives a DetectionEvaluate top of rows [item, label, value, tp, fp]: item -1
 rows add ``value`` ground-truth boxes to ``label``'s count; the others are one detection of
@@ -9,13 +10,26 @@ and recall; AP is the ``ap_version``: '11point' (VOC2007: the best precision at 
 0.1, ..., 1, averaged), 'MaxIntegral' (VOC2012/ILSVRC: the area under the precision made
 monotone) or 'Integral' (the area under the raw curve). mAP averages AP over the labels that
 have ground truth. Arithmetic in float32, as the fork's.
+
+The solver's test pass (``Solver.test``) accumulates one DetectionMAP per test net output and
+logs, as the fork, ``classN: AP`` per label (``show_per_class_result``) and then
+``    Test net output #i: name = mAP``. Differs from the fork: an output without a single
+detection over the test batches logs its mAP (0) where the fork logs nothing for it (or stops,
+when a later output has detections), and the solver checks eval_type, ap_version and the test
+nets' outputs when it is built rather than at the first test.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
+from .nets import SolverError
+
+log = logging.getLogger("brewnet")
 f32 = np.float32
 AP_VERSIONS = ("11point", "MaxIntegral", "Integral")
+EVAL_TYPES = ("classification", "detection")
 
 
 def average_precision(scores, tp, num_pos: int, version: str = "Integral") -> float:
@@ -102,3 +116,44 @@ class DetectionMAP:
         for v in aps.values():
             total = f32(total + f32(v or 0))
         return float(total / f32(len(aps)))
+
+
+def check(param, test_nets) -> None:
+    """The SolverParameter's eval_type and ap_version, and, for detection, that every test net
+    output is a DetectionEvaluate top (rows of 5: the fork CHECKs each output's width)."""
+    if param.eval_type not in EVAL_TYPES:
+        raise SolverError(f"Unknown evaluation type: eval_type '{param.eval_type}' (known: "
+                          f"{', '.join(EVAL_TYPES)})")
+    if param.eval_type != "detection":
+        return
+    if param.ap_version not in AP_VERSIONS:
+        raise SolverError(f"Unknown ap_version '{param.ap_version}' (known: {', '.join(AP_VERSIONS)})")
+    for k, net in enumerate(test_nets):
+        made = {t: layer.type for layer, tops in zip(net.layer_list, net.top_lists) for t in tops}
+        for name in net.outputs:
+            if made.get(name) != "DetectionEvaluate":
+                raise SolverError(
+                    f"eval_type 'detection' scores every test net output as DetectionEvaluate rows "
+                    f"[image_id, label, score, tp, fp]; test net #{k} output '{name}' comes from "
+                    f"a {made.get(name, 'net input')} layer (shape {net.shapes[name]})")
+
+
+def report(maps: dict, version: str, per_class: bool) -> dict:
+    """Log the fork's lines for each output's accumulated DetectionMAP (in ``maps``, by output
+    name, in output order); returns {output name: mAP}."""
+    out = {}
+    for i, (name, m) in enumerate(maps.items()):
+        log_aps(m, version, per_class)
+        out[name] = m.mean_ap(version)
+        log.info("    Test net output #%d: %s = %g", i, name, out[name])
+    return out
+
+
+def log_aps(m: DetectionMAP, version: str, per_class: bool) -> None:
+    """The fork's per-label lines: a warning for a label without detections, and with
+    ``per_class`` each label's AP (``classN: AP``)."""
+    for label, ap in m.aps(version).items():
+        if ap is None:
+            log.warning("Missing true_pos for label: %d", label)
+        elif per_class:
+            log.info("class%d: %g", label, ap)
