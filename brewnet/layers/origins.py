@@ -89,10 +89,10 @@ class FileRows(Origin):
 def note(layer, tops, origin: Origin | None) -> None:
     """``layer`` emitted ``tops`` (items along axis 0) read from ``origin`` (None: unknown)."""
     layer.batch_origin = None if origin is None else (origin, [weakref.ref(t) for t in tops])
-    if not layer.__dict__.get("_noted"):     # a WeakSet lookup per batch costs more
+    if layer.__dict__.get("_noted") is not _NOTED:   # a WeakSet lookup per batch costs more
         with _LOCK:
             _NOTED.add(layer)
-        layer._noted = True
+        layer._noted = _NOTED        # a deep copy of the layer gets a copy: it adds itself
 
 
 def _storage_index(t: torch.Tensor, position: int) -> int:
@@ -109,7 +109,10 @@ def find(t: torch.Tensor, position: int) -> str | None:
     ``t`` is not (a view of) the newest batch of a data layer that noted one."""
     if t.numel() == 0 or t.is_sparse:
         return None
-    ptr, index = t.untyped_storage().data_ptr(), _storage_index(t, position)
+    try:
+        ptr, index = t.untyped_storage().data_ptr(), _storage_index(t, position)
+    except (RuntimeError, NotImplementedError):     # no storage (meta, a traced fake tensor)
+        return None
     with _LOCK:
         layers = list(_NOTED)
     for layer in layers:
