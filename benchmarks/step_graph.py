@@ -1,6 +1,6 @@
 """The step graph (brewnet/solvers/step_graph.py) against the eager step.
 
-    python benchmarks/step_graph.py [--nets logreg,ip,lenet] [--rounds 3]
+    python benchmarks/step_graph.py [--nets logreg,ip,lenet] [--rounds 3] [--update]
 
 For each of small_nets.py's workloads (brewing-logreg batch 10 from HDF5; the single
 InnerProduct on MNIST LMDB batch 100; LeNet batch 64), a pycaffe script process per mode
@@ -10,7 +10,9 @@ warms up, then times ``solver.step(n)`` three times; the modes' processes altern
 CPU and wall time per step (in one process side by side, the two solvers slowed each other
 unevenly). "first s" is the warm-up call, which holds the capture (trace and check). Every
 process trains the same number of iterations from the same seed: "bitwise" says whether its
-final params equal the eager process's.
+final params equal the eager process's. ``--update`` adds a third mode, "graph+upd": the step
+graph with the solver's recorded update (brewnet/solvers/graph_update.py) replayed on the CPU
+too (``graph_update.ON_CPU``), the CPU measurement behind keeping the eager update there.
 """
 from __future__ import annotations
 
@@ -29,14 +31,16 @@ import small_nets  # noqa: E402
 
 STEPS = {"logreg": 1000, "ip": 200, "lenet": 10}
 WARM = 250          # the warm-up call (it holds the capture)
-LABEL = {"0": "eager", "1": "graph"}
+LABEL = {"0": "eager", "1": "graph", "1u": "graph+upd"}
 
 
 def worker(folder: str, name: str) -> None:
     import numpy as np
 
     import brewnet as caffe
+    from brewnet.solvers import graph_update
 
+    graph_update.ON_CPU = os.environ.get("STEP_GRAPH_UPDATE") == "1"
     s = caffe.get_solver(str(Path(folder) / f"{name}_script_solver.prototxt"))
     tic = time.perf_counter()
     s.step(WARM)
@@ -47,14 +51,16 @@ def worker(folder: str, name: str) -> None:
         s.step(n)
         cpu.append((time.process_time() - c) / n)
         wall.append((time.perf_counter() - w) / n)
-    mode = os.environ["BREWNET_STEP_GRAPH"]
+    mode = os.environ["BREWNET_STEP_GRAPH"] + ("u" if graph_update.ON_CPU else "")
     np.savez(Path(folder) / f"{name}_{mode}.npz", *[p.detach().numpy() for p in s.net.learnable])
     used = getattr(s, "_graph", None) is not None and s._graph.gm is not None
+    if graph_update.ON_CPU:
+        used = used and bool(s._graph.update) and s._graph.update.gm is not None
     print(json.dumps({"cpu": min(cpu), "wall": min(wall), "first": first, "used": used}))
 
 
 def run(folder: Path, name: str, mode: str) -> dict:
-    env = dict(small_nets.ENV, BREWNET_STEP_GRAPH=mode)
+    env = dict(small_nets.ENV, BREWNET_STEP_GRAPH=mode[0], STEP_GRAPH_UPDATE="1" if mode == "1u" else "0")
     out = subprocess.run([sys.executable, __file__, "--worker", name, "--folder", str(folder)],
                          capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -64,6 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nets", default="logreg,ip,lenet")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--update", action="store_true", help="add the recorded update on the CPU")
     ap.add_argument("--worker")
     ap.add_argument("--folder")
     a = ap.parse_args()
@@ -71,7 +78,7 @@ def main() -> None:
         return worker(a.folder, a.worker)
     import numpy as np
 
-    modes = ["0", "1"]
+    modes = ["0", "1", "1u"] if a.update else ["0", "1"]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         small_nets.write_workloads(folder)

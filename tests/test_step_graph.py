@@ -274,10 +274,16 @@ def test_a_replay_that_differs_at_capture_keeps_the_eager_step(monkeypatch, capl
 
 class StaticMemory:
     """A CPU stand-in for ``cuda_graph.CapturedGraph`` with its memory semantics: inputs copied
-    into static buffers, outputs handed out in memory the next call rewrites in place."""
+    into static buffers, outputs handed out in memory the next call rewrites in place, and the
+    warm-up runs whose writes into ``state`` (params, history) are put back before the capture."""
 
-    def __init__(self, fn, xs):
+    def __init__(self, fn, xs, state=()):
         self.fn, self.static, self.outs = fn, [x.detach().clone() for x in xs], None
+        saved = [t.clone() for t in state]
+        for _ in range(3):
+            fn(*self.static)
+        for t, v in zip(state, saved):
+            t.copy_(v)
 
     def __call__(self, xs):
         for s, x in zip(self.static, xs):
@@ -295,7 +301,8 @@ class StaticMemory:
 def test_cuda_step_graph_logic_on_cpu_static_memory(monkeypatch, tmp_path, net):
     """CudaStepGraph's replay with outputs in static memory (rewritten by each replay, as a CUDA
     graph's are), run on the CPU: the solver's update, the lazy side tops and the next step must
-    not read a value the following replay overwrote: the eager run's bits, step after step."""
+    not read a value the following replay overwrote: the eager run's bits, step after step. From
+    the iteration after the capture forward, backward and update are one graph (``whole``)."""
     from brewnet.solvers import cuda_graph, step_graph
 
     monkeypatch.setattr(cuda_graph, "CapturedGraph", StaticMemory)
@@ -311,6 +318,7 @@ def test_cuda_step_graph_logic_on_cpu_static_memory(monkeypatch, tmp_path, net):
     eager, graph = run_both(monkeypatch, make, 25)
     assert type(graph._graph) is cuda_graph.CudaStepGraph and graph._graph.gm is not None
     assert isinstance(graph._graph.captured, StaticMemory)
+    assert isinstance(graph._graph.whole, StaticMemory) and graph._graph.update.gm is not None
     assert_same(eager, graph)
     for a, b in zip(eager.net.learnable, graph.net.learnable):
         np.testing.assert_array_equal(host(a.grad), host(b.grad))

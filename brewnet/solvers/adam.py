@@ -23,14 +23,22 @@ f32 = np.float32
 class AdamSolver(SGDSolver):
     history_sets = 2
     frozen_is_noop = False
+    scalar_inputs = None     # a recorded update's 0-d tensor for the correction (graph_update.py)
+
+    def iteration_scalars(self) -> dict:
+        """The bias correction of this iteration (t = iter + 1): Caffe's pow(float, int) is a
+        double; the correction is stored as a float."""
+        b1, b2 = f32(self.param.momentum), f32(self.param.momentum2)
+        t = self.iter + 1
+        return {"correction": f32(math.sqrt(1 - math.pow(float(b2), t)) / (1 - math.pow(float(b1), t)))}
 
     def _coefficients(self, local_rate):
         b1, b2 = f32(self.param.momentum), f32(self.param.momentum2)
-        t = self.iter + 1
-        # Caffe: pow(float, int) is a double; the correction is stored as a float.
-        correction = f32(math.sqrt(1 - math.pow(float(b2), t)) / (1 - math.pow(float(b1), t)))
-        return float(b1), float(f32(1) - b1), float(b2), float(f32(1) - b2), \
-            float(f32(local_rate) * correction)
+        if isinstance(local_rate, torch.Tensor):     # recorded: float32 product of 0-d tensors
+            step_rate = local_rate * self.scalar_inputs["correction"]
+        else:
+            step_rate = float(f32(local_rate) * self.iteration_scalars()["correction"])
+        return float(b1), float(f32(1) - b1), float(b2), float(f32(1) - b2), step_rate
 
     def compute_update(self, i, param, grad, local_rate):
         n = len(self.net.learnable)

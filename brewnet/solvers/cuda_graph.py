@@ -18,7 +18,11 @@ and the whole forward-backward is one ``CUDAGraph.replay()``:
   their worker thread: K captures, one at a time, each on its own stream, replayed side by side;
 - the capture is checked as the CPU one is: its first replay must give the eager step's bits
   (loss, every top, every gradient) or the eager step is kept, with a warning.
-The update (a rate that changes every iteration under most lr policies) stays eager.
+- the update: once the solver's update is recorded too (``graph_update.py``: the rate, Adam's
+  correction and the clipping scale are tensors there, so a capture does not freeze them),
+  forward, backward and update are captured as one more graph and a step is one replay; that
+  capture is checked against the forward-backward graph and the recorded update run one after
+  the other on the same state (params, history, every output), else the two are kept.
 ``CapturedGraph`` is the generic part, also used by lean inference on CUDA (``lean.py``).
 """
 from __future__ import annotations
@@ -28,7 +32,7 @@ import threading
 
 import torch
 
-from .step_graph import DEVICE_GRAPHS, StepGraph
+from .step_graph import DEVICE_GRAPHS, StepGraph, _same
 
 log = logging.getLogger("brewnet")
 WARMUP = 3      # eager runs on a side stream before capture (torch's docs use 3 for DDP/AMP)
@@ -53,23 +57,29 @@ def device_refusal(device: torch.device, asked: bool = True) -> str | None:
 
 
 class CapturedGraph:
-    """``fn(*xs)`` (a function of tensors returning a tuple of tensors, with no side effects
-    and no host reads) captured as a CUDA graph on inputs shaped like ``xs``. Calling it copies
-    new inputs into the static buffers and replays; the outputs are the graph's own tensors."""
+    """``fn(*xs)`` (a function of tensors returning a tuple of tensors, with no host reads)
+    captured as a CUDA graph on inputs shaped like ``xs``. Calling it copies new inputs into
+    the static buffers and replays; the outputs are the graph's own tensors. ``state``: tensors
+    ``fn`` writes in place (a solver's params and history): put back after the warm-up runs,
+    so only replays move them."""
 
-    def __init__(self, fn, xs):
+    def __init__(self, fn, xs, state=()):
         self.device = next((x.device for x in xs if x.is_cuda), torch.device("cuda", torch.cuda.current_device()))
         with _CAPTURING, torch.cuda.device(self.device):
-            self._capture(fn, [x.detach().clone() for x in xs])
+            self._capture(fn, [x.detach().clone() for x in xs], list(state))
 
-    def _capture(self, fn, static) -> None:
+    def _capture(self, fn, static, state) -> None:
         self.static = static
+        saved = [t.clone() for t in state]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
             for _ in range(WARMUP):
                 fn(*self.static)
+            for t, v in zip(state, saved):
+                t.copy_(v)
         torch.cuda.current_stream().wait_stream(side)
+        del saved
         self.graph = torch.cuda.CUDAGraph()
         # on this graph's own stream (torch's default capture stream is one per process);
         # thread_local: another thread's CUDA work (a prefetcher, another net's step) during
@@ -91,11 +101,29 @@ class CapturedGraph:
 
 
 class CudaStepGraph(StepGraph):
-    """The step graph of a net on CUDA: recorded as on the CPU, then captured (see above)."""
+    """The step graph of a net on CUDA: recorded as on the CPU, then captured (see above);
+    with the solver's recorded update (graph_update.py) forward, backward and update are
+    captured as one graph (``_whole``), checked against the two run one after the other."""
 
     KIND = "CUDA graph"
 
+    def __init__(self, net):
+        super().__init__(net)
+        self.whole, self.whole_key = None, None   # the step with the update, and what it fits
+        self._checking = False
+
+    def wants_update(self) -> bool:
+        return True
+
+    def capture(self, xs, eager) -> bool:
+        self._checking = True       # the capture's check compares forward-backward alone
+        try:
+            return super().capture(xs, eager)
+        finally:
+            self._checking = False
+
     def _prepare(self, xs) -> bool:
+        self.whole, self.whole_key = None, None
         try:
             self.captured = CapturedGraph(self.gm.forward, xs)
         except RuntimeError as e:          # an op that cannot be captured (a host sync, ...)
@@ -105,7 +133,86 @@ class CudaStepGraph(StepGraph):
         return True
 
     def _run(self, xs) -> tuple:
-        return self.captured(xs)
+        upd = self.update
+        if self._checking or not upd or self.whole is False or not upd.usable():
+            return self.captured(xs)
+        key = (upd.key, tuple(id(t) for t in upd.solver.net.learnable),
+               tuple(id(h) for h in upd.solver.history))
+        if self.whole is None or key != self.whole_key:
+            out = self._capture_whole(xs, upd)
+            if out is not None:
+                self.whole_key = key
+            return out if out is not None else self.captured(xs)
+        out = self.whole([*xs, upd.host_scalars()])
+        return self._took(out, upd)
+
+    # -- forward, backward and update as one graph ---------------------------------------
+    def _whole_fn(self, upd):
+        """The step with the update: the recorded forward-backward, each learnable param's
+        gradient (a zero one where the net makes none, as the eager update's), the update."""
+        solver, fb, ugm = upd.solver, self.gm.forward, upd.gm.forward
+        slot, i = {}, 1 + len(self._core_tops)     # the gradients' places in fb's outputs
+        for p, h in zip(self.params, self.has_grad):
+            if h:
+                slot[id(p)] = i
+                i += 1
+        where = [slot.get(id(t)) for t in solver.net.learnable]
+        learn = [t.detach() for t in solver.net.learnable]
+        hist = list(solver.history)
+
+        def step(*args):
+            xs, scalars = args[:-1], args[-1]
+            out = fb(*xs)
+            grads = [out[j] if j is not None else torch.zeros_like(t) for j, t in zip(where, learn)]
+            made = [g for g, j in zip(grads, where) if j is None]
+            return (*out, *made, *ugm(*grads, *learn, *hist, scalars))
+        return step, learn + hist, where
+
+    def _took(self, out, upd) -> tuple:
+        """The forward-backward part of the whole step's outputs ``out``; the rest (the
+        gradients the net makes none of, the update's outputs) where the loop finds them."""
+        n = self._n_fb
+        made = iter(out[n:n + self._n_made])
+        for t, j in zip(upd.solver.net.learnable, self._where):
+            if j is None:
+                t.grad = next(made)
+        self.updated_at, self.update_out = upd.solver.iter, out[n + self._n_made:]
+        return out[:n]
+
+    def _capture_whole(self, xs, upd):
+        """Capture forward, backward and update as one graph and take this iteration's step
+        with it, checked bit for bit against the forward-backward graph and the recorded update
+        run one after the other on the same state; None: a failure, the step not taken."""
+        fn, state, where = self._whole_fn(upd)
+        scalars = upd.host_scalars()
+        before = [t.clone() for t in state]
+        fb = [t.clone() for t in self.captured(xs)]
+        grads = [fb[j] if j is not None else torch.zeros_like(t) for j, t in zip(where, state)]
+        ref = (*fb, *[g for g, j in zip(grads, where) if j is None],
+               *[t.clone() for t in upd.run(grads, scalars)])
+        ref_state = [t.clone() for t in state]
+        for t, b in zip(state, before):
+            t.copy_(b)
+        try:
+            self.whole = CapturedGraph(fn, [*xs, scalars], state=state)
+            got = self.whole([*xs, scalars])
+        except RuntimeError as e:
+            got, why = None, str(e).splitlines()[0][:200]
+        if got is None or not (len(got) == len(ref) and all(_same(a, b) for a, b in zip(got, ref))
+                               and all(_same(a, b) for a, b in zip(state, ref_state))):
+            log.warning("step graph: the CUDA graph of forward, backward and update %s; net "
+                        "'%s' keeps them as two", f"failed ({why})" if got is None else
+                        "differs from the two", self.net.name)
+            self.whole = False
+            for t, r in zip(state, ref_state):      # the step as the two graphs took it
+                t.copy_(r)
+            got = ref
+        self._n_fb, self._where = len(fb), where
+        self._n_made = sum(j is None for j in where)
+        if self.whole:
+            log.info("Net '%s': forward, backward and the %s update replayed as one CUDA graph",
+                     self.net.name, upd.solver.solver_type)
+        return self._took(got, upd)
 
 
 DEVICE_GRAPHS["cuda"] = (CudaStepGraph, device_refusal)

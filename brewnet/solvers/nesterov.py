@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .base import register
+from .graph_update import scaled_add_
 from .sgd import SGDSolver
 
 
@@ -25,7 +26,7 @@ class NesterovSolver(SGDSolver):
         m = float(self.param.momentum)
         prev = [x.clone() for x in h]
         torch._foreach_mul_(h, m)
-        torch._foreach_add_(h, grads, alpha=local_rate)
+        scaled_add_(h, grads, local_rate)
         torch._foreach_copy_(grads, h)
         torch._foreach_mul_(grads, float(np.float32(1) + np.float32(self.param.momentum)))
         torch._foreach_sub_(grads, prev, alpha=m)

@@ -11,6 +11,7 @@ import torch
 
 from .base import Solver, register, regularized_groups
 from .fused import FUSED_MIN, fused_sgd_matches, sgd_update
+from .graph_update import scaled_add_
 
 
 @register("SGD")
@@ -25,7 +26,7 @@ class SGDSolver(Solver):
     def compute_updates(self, idx, params, grads, local_rate):
         h = [self.history[i] for i in idx]
         torch._foreach_mul_(h, _scalar(float(self.param.momentum), h))
-        torch._foreach_add_(h, grads, alpha=local_rate)
+        scaled_add_(h, grads, local_rate)
         torch._foreach_copy_(grads, h)
 
     def update_params(self, todo, l2, store_step):
@@ -34,7 +35,8 @@ class SGDSolver(Solver):
             return super().update_params(todo, l2, store_step)
         momentum = float(self.param.momentum)
         big = []
-        if l2 and momentum and fused_sgd_matches():
+        recorded = any(isinstance(e[4], torch.Tensor) for e in todo)   # graph_update.py's rates
+        if l2 and momentum and not recorded and fused_sgd_matches():
             # L2 decay with momentum on the CPU: one fused pass (fused.py), the same numbers.
             # Small params: the _foreach ops below for all of them cost less than the fused
             # call and its plain-op tail per param; the fused pass pays where memory dominates.
@@ -55,7 +57,7 @@ class SGDSolver(Solver):
         for idx, ts, gs, rate in regularized_groups(todo, l2):
             h = [self.history[i] for i in idx]
             torch._foreach_mul_(h, _scalar(momentum, h))
-            torch._foreach_add_(h, gs, alpha=rate)
+            scaled_add_(h, gs, rate)
             torch._foreach_sub_(ts, h)
             self._pending_steps += zip(gs, h)
 

@@ -186,6 +186,16 @@ class StepGraph:
         self.side, self.side_tops = None, []
         self._core_tops: list[str] = []
         self.seeds: list[tuple] = []        # (blob, its diff tensor) seeding the backward
+        # the solver's recorded update (graph_update.UpdateGraph; None: not asked yet, False:
+        # refused); updated_at: the iteration whose update a replay did (update_out: its outputs)
+        self.update = None
+        self.updated_at, self.update_out = None, ()
+
+    def wants_update(self) -> bool:
+        """Whether the solver's update should be recorded for this step graph (on the CPU the
+        eager one is kept: graph_update.ON_CPU)."""
+        from . import graph_update
+        return graph_update.ON_CPU
 
     def forward_backward(self) -> torch.Tensor:
         """The weighted loss; param ``.grad`` set as the eager backward sets them."""

@@ -1,0 +1,277 @@
+"""A solver's update (Caffe's ``ApplyUpdate``) as one recorded graph of tensor ops.
+
+The eager update (``Solver.apply_update``) takes its per-iteration numbers as Python floats:
+the rate from the lr policy, Adam's bias correction, the clipping scale (read from the
+gradients' norm on the host). A graph captured once (a CUDA graph) would keep the floats of its
+capture. Here the same update is written as a function of tensors,
+
+    update(*grads, *params, *history, scalars)
+
+in which everything that changes between iterations is a tensor: ``scalars`` holds the local
+rate of each lr_mult group and the rule's ``iteration_scalars`` (Adam's correction), computed
+on the host each iteration exactly as the eager update computes them (numpy float32), and read
+in the graph as 0-d tensors; the clipping norm and scale are computed on the device. The rules'
+own ``compute_updates`` run on these 0-d tensors (``scaled_add_`` is their one op that needs
+another form): the same kernels in the same order, so the same bits; what is fixed for a run
+(momentum, delta, weight decay, lr_mult/decay_mult, clip_gradients, iter_size, which frozen
+params are left as they are) is baked into the graph and part of its key.
+
+Caffe's order holds: clip (``ClipGradients``), then per param: iter_size normalisation
+(``Normalize``), weight decay (``Regularize``), the rule (``ComputeUpdateValue``), and
+``param -= diff`` (``Net::Update``); the diff is left holding the step, as Caffe's.
+
+It is recorded (``graph_record``) at the first update after the step graph is in use, from a
+real run checked bit for bit against the eager update of the same iteration on the same state
+(a mismatch keeps the eager update, with a warning). On CUDA the step graph captures it with the
+forward and backward as one CUDA graph (``cuda_graph.CudaStepGraph``): one replay a step.
+On the CPU the step keeps the eager update (``ON_CPU``): measured (benchmarks/step_graph.py
+--update) the replayed update saved nothing on the nets whose step is Python-bound.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from .lr_policy import policy
+
+log = logging.getLogger("brewnet")
+f32 = np.float32
+ON_CPU = False   # the recorded update replaces the eager one on the CPU too (measured: no gain)
+
+
+def scaled_add_(hs: list, gs: list, rate) -> None:
+    """``h += rate * g`` for each pair (Caffe's axpy), ``rate`` a float or a 0-d tensor.
+    ``addcmul`` by the 0-d tensor gives ``add``'s ``alpha=`` bits (both one fused
+    multiply-add on the CPU's vector and scalar paths; tests/test_step_graph.py checks it);
+    ``add_(g * rate)`` rounds twice and does not."""
+    if isinstance(rate, torch.Tensor):
+        torch._foreach_addcmul_(hs, gs, [rate] * len(hs))
+    else:
+        torch._foreach_add_(hs, gs, alpha=rate)
+
+
+def _iteration_scalars(solver) -> dict:
+    """The rule's per-iteration values besides the rate (Adam: its bias correction)."""
+    fn = getattr(solver, "iteration_scalars", None)
+    return fn() if fn is not None else {}
+
+
+def refusal(solver) -> str | None:
+    """Why ``solver``'s update cannot be recorded (None: it can)."""
+    from .base import SOLVERS
+
+    kind = type(solver)
+    if not any(issubclass(kind, c) and kind.update_params is c.update_params
+               and kind.compute_updates is c.compute_updates for c in SOLVERS.values()):
+        return f"{kind.__name__}: an update rule of its own (not one of brewnet's)"
+    if not solver._foreach_ok():
+        return "the per-param update (Solver.foreach is False)"
+    if any(on_gradients for _, on_gradients in solver._callbacks):
+        return "an on_gradients callback (it may change the gradients before the update)"
+    if solver.replicas is not None:
+        return "data parallel (the gradients are averaged between the workers first)"
+    return None
+
+
+class UpdateGraph:
+    """``solver``'s update as a recorded graph (see the module docstring). ``run(grads)``
+    replays it on the solver's current params and history; ``host_scalars()`` is what a
+    caller that replays it itself (the CUDA step graph) feeds as ``scalars``."""
+
+    def __init__(self, solver):
+        self.solver = solver
+        self.gm, self.key = None, None
+        self.tries = 0
+        self.clipping = False       # the graph returns the gradients' norm (for the log line)
+        self.rate = None            # the lr policy's rate of the last host_scalars() call
+        self.lr_mults: list = []    # the float32 lr_mult of each scalar slot
+
+    # -- what is fixed, what changes ---------------------------------------------------------
+    def current_key(self) -> tuple:
+        s = self.solver
+        p, net = s.param, s.net
+        return (type(s), p.momentum, p.momentum2, p.delta, p.rms_decay, p.weight_decay,
+                p.regularization_type, f32(p.clip_gradients), p.iter_size,
+                tuple(net.lr_mults), tuple(net.decay_mults),
+                tuple((tuple(t.shape), t.dtype, t.device) for t in net.learnable),
+                tuple((tuple(h.shape), h.dtype) for h in s.history))
+
+    def usable(self) -> bool:
+        """Whether the recorded graph fits the solver as it is now."""
+        s = self.solver
+        return (self.gm is not None and self.skip <= s._zero_history
+                and not any(on_gradients for _, on_gradients in s._callbacks)
+                and s.replicas is None and self.current_key() == self.key)
+
+    def host_scalars(self) -> torch.Tensor:
+        """This iteration's scalars (float32, on the host): the local rate of each lr_mult
+        group, then the rule's ``iteration_scalars``. Calls the lr policy (which moves
+        ``current_step``, as the eager update's call does): once per iteration."""
+        s = self.solver
+        rate, s.current_step = policy(s.param.lr_policy)(s.param, s.iter, s.current_step)
+        self.rate = rate
+        values = [f32(rate) * m for m in self.lr_mults] + list(_iteration_scalars(s).values())
+        return torch.from_numpy(np.array(values, dtype=np.float32))
+
+    # -- recording -------------------------------------------------------------------------
+    def _plan(self) -> None:
+        s = self.solver
+        mults = s._mults()
+        self.skip = {i for i, (m, _) in enumerate(mults)
+                     if m == 0 and s.frozen_is_noop and s._history_is_zero(i)}
+        self.lr_mults = list(dict.fromkeys(m for i, (m, _) in enumerate(mults) if i not in self.skip))
+        self.names = list(_iteration_scalars(s))
+        self.clipping = f32(s.param.clip_gradients) >= 0 and bool(mults)
+
+    def _update(self, *args):
+        """The update on tensors: ``args`` = (*grads, *params, *history, scalars), the params
+        and history being the solver's own (the rules read ``solver.history`` by identity)."""
+        s = self.solver
+        n, p = len(s.net.learnable), s.param
+        grads, params, scalars = list(args[:n]), args[n:2 * n], args[-1]
+        out = []
+        if self.clipping:
+            clip = f32(p.clip_gradients)
+            sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+            norm = sq.double().sqrt().float()   # the eager update: math.sqrt, then float32
+            scale = torch.where(norm > clip, torch.full_like(norm, clip) / norm, 1.0)
+            torch._foreach_mul_(grads, scale)
+            out.append(norm)
+        rates = {m: scalars[j] for j, m in enumerate(self.lr_mults)}
+        s.scalar_inputs = {name: scalars[len(self.lr_mults) + j] for j, name in enumerate(self.names)}
+        norm_f = float(f32(1) / f32(p.iter_size)) if p.iter_size > 1 else None
+        todo = []
+        for i, (t, g, (lr_mult, decay)) in enumerate(zip(params, grads, s._mults())):
+            if i in self.skip:
+                g.zero_()
+                continue
+            if norm_f is not None:
+                g.mul_(norm_f)
+            todo.append((i, t, g, decay, rates[lr_mult]))
+        pending, s._pending_steps = s._pending_steps, []
+        try:
+            s.update_params(todo, p.regularization_type == "L2", store_step=True)
+        finally:
+            s.scalar_inputs, s._pending_steps = None, pending
+        return tuple(out)
+
+    def _inputs(self, grads, scalars) -> list:
+        s = self.solver
+        return [*grads, *[t.detach() for t in s.net.learnable], *s.history,
+                scalars.to(s.net.device)]
+
+    def record(self, grads) -> bool:
+        """Record the update on this iteration's ``grads`` (the params' diffs, before the
+        update), checked against the eager update on the same state: either way the update of
+        this iteration is done when it returns (True: by the graph, which is kept)."""
+        from ..graph_record import RecordError, unbox
+        from ..graph_record import record as record_graph
+        from .step_graph import _same
+
+        s = self.solver
+        self.tries += 1
+        self._plan()
+        state = [t.detach() for t in s.net.learnable] + list(s.history) + list(grads)
+        before = [t.clone() for t in state]
+        step = s.current_step
+        with torch.no_grad():
+            s.apply_update(store_step=True)          # the eager update: the reference
+            eager = [t.clone() for t in state]
+            for t, b in zip(state, before):
+                t.copy_(b)
+        s.current_step = step
+        self.gm, self.key = None, None
+        try:
+            with torch.no_grad():
+                gm = record_graph(self._update, self._inputs(grads, self.host_scalars()))
+        except (RecordError, RuntimeError) as e:
+            log.debug("update graph: recording failed: %s: %s", type(e).__name__, e)
+            gm = None
+        if gm is None or not all(_same(a, b) for a, b in zip(state, eager)):
+            if gm is not None:
+                log.warning("update graph: the recorded update differs from the eager one; "
+                            "solver of net '%s' keeps the eager update", s.net.name)
+            with torch.no_grad():
+                for t, e in zip(state, eager):
+                    t.copy_(e)
+            self.tries = 3
+            return False
+        unbox(gm)
+        self.gm, self.key = gm, self.current_key()
+        log.info("Net '%s': the %s update recorded as one graph (%d ops)", s.net.name,
+                 type(s).solver_type or type(s).__name__,
+                 sum(n.op == "call_function" for n in gm.graph.nodes))
+        return True
+
+    def run(self, grads, scalars: torch.Tensor | None = None) -> tuple:
+        """Replay the update on ``grads`` (in place: they hold the steps after)."""
+        if scalars is None:
+            scalars = self.host_scalars()
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return self.gm.forward(*self._inputs(grads, scalars))
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
+
+    def log_clipping(self, out: tuple) -> None:
+        """Caffe's clipping line, from the norm the graph returned (a host read: only when
+        clip_gradients is set)."""
+        if self.clipping and out:
+            clip = f32(self.solver.param.clip_gradients)
+            norm = f32(out[0].item())
+            if norm > clip:
+                log.info("Gradient clipping: scaling down gradients (L2 norm %g > %g) by scale "
+                         "factor %g", norm, clip, clip / norm)
+
+
+def grads_of(solver) -> list:
+    """The learnable params' diffs, a zero tensor where none was made (the eager update's)."""
+    out = []
+    for t in solver.net.learnable:
+        if t.grad is None:
+            t.grad = torch.zeros_like(t.detach())
+        out.append(t.grad)
+    return out
+
+
+def applied(solver, display: bool) -> bool:
+    """The loop's update of this iteration through the recorded graph, when the step graph is
+    in use and wants it (``StepGraph.wants_update``): done already by the step graph's replay
+    (a CUDA graph of forward, backward and update), or replayed here, or recorded (and
+    checked) now. False: the caller runs the eager ``apply_update``."""
+    graph = getattr(solver, "_graph", None)
+    if graph is None or graph.gm is None or graph.net is not solver.net:
+        return False
+    upd = graph.update
+    if upd is None:
+        if not graph.wants_update():
+            return False
+        why = refusal(solver)
+        if why:
+            graph.update = False                 # asked once per step graph
+            log.debug("update graph: %s", why)
+            return False
+        upd = graph.update = UpdateGraph(solver)
+    if upd is False:
+        return False
+    if graph.updated_at == solver.iter:          # done in the step graph's replay
+        graph.updated_at = None
+        out = graph.update_out
+    elif upd.usable():
+        out = upd.run(grads_of(solver), upd.host_scalars())
+    elif upd.tries < 3:
+        if display:                              # the rate the update will use, logged first
+            p = solver.param
+            log.info("Iteration %d, lr = %g", solver.iter,
+                     policy(p.lr_policy)(p, solver.iter, solver.current_step)[0])
+        upd.record(grads_of(solver))
+        return True
+    else:
+        return False
+    if display:
+        log.info("Iteration %d, lr = %g", solver.iter, upd.rate)
+    upd.log_clipping(out)
+    return True
