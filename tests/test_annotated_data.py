@@ -11,6 +11,7 @@ from google.protobuf import text_format
 
 from brewnet import Net
 from brewnet.data import augment as A
+from brewnet.data import boxes as B
 from brewnet.data.annoset import annotated_datum, label_map_from
 from brewnet.data.boxes import Annos, batch_samples, place_box, satisfies, transform_annos
 from brewnet.data.db import open_writer
@@ -93,6 +94,78 @@ def test_max_sample_and_trials():
     assert len(batch_samples(np.zeros((0, 4), f32), [many], rng)) == 7
     off = msg(pb.BatchSampler, "use_original_image: false")
     assert batch_samples(np.zeros((0, 4), f32), [off], rng) == []
+
+
+def _satisfies_loop(box, objects, c):
+    """The fork's SatisfySampleConstraint loop, object by object and test by test."""
+    kinds = [k for k in ("jaccard_overlap", "sample_coverage", "object_coverage")
+             if c.HasField("min_" + k) or c.HasField("max_" + k)]
+    if not kinds:
+        return True
+    found = False
+    for obj in objects:
+        for k in kinds:
+            if k == "jaccard_overlap":
+                v = B.jaccard(box, obj[None])[0]
+            else:
+                v = B.coverage(box, obj[None]) if k == "sample_coverage" else \
+                    B.coverage(obj, box[None])[0]
+                v = v if np.ndim(v) == 0 else v[0]
+            if (c.HasField("min_" + k) and v < f32(getattr(c, "min_" + k))) or \
+                    (c.HasField("max_" + k) and v > f32(getattr(c, "max_" + k))):
+                break
+            found = True
+        else:
+            if found:
+                return True
+    return found
+
+
+def _batch_samples_loop(objects, samplers, rng):
+    """GenerateBatchSamples trial by trial: one sample_box and one constraint test each."""
+    out = []
+    for s in samplers:
+        if not s.use_original_image:
+            continue
+        found = 0
+        for _ in range(s.max_trials):
+            if s.HasField("max_sample") and found >= s.max_sample:
+                break
+            box = B.locate(B.UNIT, B.sample_box(s.sampler, rng))
+            if _satisfies_loop(box, objects, s.sample_constraint):
+                found += 1
+                out.append(box)
+    return out
+
+
+SSD_SAMPLERS = [msg(pb.BatchSampler, "max_sample: 1 max_trials: 1")] + [
+    msg(pb.BatchSampler, "sampler { min_scale: 0.3 max_scale: 1 min_aspect_ratio: 0.5 "
+        f"max_aspect_ratio: 2 }} sample_constraint {{ {c} }} max_sample: 1 max_trials: 50")
+    for c in ("min_jaccard_overlap: 0.1", "min_jaccard_overlap: 0.3", "min_jaccard_overlap: 0.5",
+              "min_jaccard_overlap: 0.7", "min_jaccard_overlap: 0.9", "max_jaccard_overlap: 1.0")]
+OTHER_SAMPLERS = [msg(pb.BatchSampler, "sampler { min_scale: 0.1 max_scale: 0.9 min_aspect_ratio: "
+                  f"0.3 max_aspect_ratio: 3 }} sample_constraint {{ {c} }} {m} max_trials: 20")
+                  for c, m in (("min_sample_coverage: 0.4 max_jaccard_overlap: 0.6", "max_sample: 2"),
+                               ("max_object_coverage: 0.5 min_jaccard_overlap: 0.05", ""),
+                               ("min_object_coverage: 0.8", "max_sample: 3"))]
+
+
+def test_batch_samples_at_once_equal_the_trial_loop_and_leave_the_same_rng():
+    """All trials of a sampler drawn and tested at once: the same boxes, in order, and the
+    generator left where the trial-by-trial loop leaves it (objects from none to four)."""
+    gen = np.random.default_rng(7)
+    a, b = np.random.default_rng(3), np.random.default_rng(3)
+    for _ in range(300):
+        n = int(gen.integers(0, 5))
+        xy = gen.uniform(0, 0.7, (n, 2))
+        objects = np.concatenate([xy, xy + gen.uniform(0.05, 0.3, (n, 2))], 1).astype(f32)
+        for samplers in (SSD_SAMPLERS, OTHER_SAMPLERS):
+            got = batch_samples(objects, samplers, a)
+            want = _batch_samples_loop(objects, samplers, b)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert g.dtype == np.float32 and g.tobytes() == w.tobytes()
+            assert a.bit_generator.state == b.bit_generator.state
 
 
 # ----------------------------------------------------------------------------- annotations

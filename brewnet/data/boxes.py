@@ -53,35 +53,46 @@ def clip(b: np.ndarray) -> np.ndarray:
 
 
 def intersect(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IntersectBBox of box ``a`` (4,) with boxes ``b`` (n, 4): zeros where they do not meet."""
-    apart = (b[:, 0] > a[2]) | (b[:, 2] < a[0]) | (b[:, 1] > a[3]) | (b[:, 3] < a[1])
-    out = np.concatenate([np.maximum(a[:2], b[:, :2]), np.minimum(a[2:], b[:, 2:])], 1)
+    """IntersectBBox of box ``a`` (4,) with boxes ``b`` (n, 4) -> (n, 4), or of each of boxes
+    ``a`` (m, 4) with each of ``b`` -> (m, n, 4): zeros where they do not meet."""
+    a = a[..., None, :] if a.ndim == 2 else a
+    apart = ((b[:, 0] > a[..., 2]) | (b[:, 2] < a[..., 0]) | (b[:, 1] > a[..., 3])
+             | (b[:, 3] < a[..., 1]))
+    out = np.concatenate(np.broadcast_arrays(np.maximum(a[..., :2], b[:, :2]),
+                                             np.minimum(a[..., 2:], b[:, 2:])), -1)
     out[apart] = 0
     return out
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """JaccardOverlap of box ``a`` (4,) with each of ``b`` (n, 4)."""
+    """JaccardOverlap of box ``a`` (4,) with each of ``b`` (n, 4) -> (n,); of each of boxes
+    ``a`` (m, 4) with each of ``b`` -> (m, n)."""
     inter = intersect(a, b)
-    iw, ih = inter[:, 2] - inter[:, 0], inter[:, 3] - inter[:, 1]
+    iw, ih = inter[..., 2] - inter[..., 0], inter[..., 3] - inter[..., 1]
     i = iw * ih
+    sa = size(a)[..., None] if a.ndim == 2 else size(a)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where((iw > 0) & (ih > 0), i / (size(a) + size(b) - i), f32(0)).astype(f32)
+        return np.where((iw > 0) & (ih > 0), i / (sa + size(b) - i), f32(0)).astype(f32)
 
 
 def coverage(a: np.ndarray, b: np.ndarray, a_is_one: bool = True) -> np.ndarray:
     """BBoxCoverage: |a & b| / |a| for box ``a`` (4,) and each of ``b`` (n, 4) (``a_is_one``),
-    or |b_i & a| / |b_i| (not ``a_is_one``: each of b covered by a)."""
+    or |b_i & a| / |b_i| (not ``a_is_one``: each of b covered by a); for boxes ``a`` (m, 4),
+    (m, n) values."""
     inter = size(intersect(a, b))
-    den = np.broadcast_to(size(a[None]), inter.shape) if a_is_one else size(b)
+    if a_is_one:
+        den = np.broadcast_to(size(a)[..., None] if a.ndim == 2 else size(a[None]), inter.shape)
+    else:
+        den = size(b)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(inter > 0, inter / den, f32(0)).astype(f32)
 
 
 def locate(src: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """LocateBBox: ``b`` given inside ``src`` -> image coordinates."""
+    """LocateBBox: box(es) ``b`` (..., 4) given inside ``src`` -> image coordinates."""
     w, h = src[2] - src[0], src[3] - src[1]
-    return np.array([src[0] + b[0] * w, src[1] + b[1] * h, src[0] + b[2] * w, src[1] + b[3] * h], f32)
+    return np.stack([src[0] + b[..., 0] * w, src[1] + b[..., 1] * h, src[0] + b[..., 2] * w,
+                     src[1] + b[..., 3] * h], -1).astype(f32)
 
 
 def project(src: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -169,14 +180,19 @@ def transform_annos(annos: Annos, crop: np.ndarray, mirror: bool = False, resize
 
 # --------------------------------------------------------------------------------- sampler
 
-def sample_box(sampler, rng: np.random.Generator) -> np.ndarray:
-    """SampleBBox: a box of random scale and aspect ratio placed uniformly in [0, 1]^2."""
+def check_sampler(sampler) -> None:
+    """SampleBBox's CHECKs on a Sampler's ranges."""
     if not (0 < sampler.min_scale <= sampler.max_scale <= 1):
         raise ValueError(f"sampler: need 0 < min_scale <= max_scale <= 1, got "
                          f"{sampler.min_scale:g}, {sampler.max_scale:g}")
     if not 0 < sampler.min_aspect_ratio <= sampler.max_aspect_ratio:
         raise ValueError(f"sampler: need 0 < min_aspect_ratio <= max_aspect_ratio, got "
                          f"{sampler.min_aspect_ratio:g}, {sampler.max_aspect_ratio:g}")
+
+
+def sample_box(sampler, rng: np.random.Generator) -> np.ndarray:
+    """SampleBBox: a box of random scale and aspect ratio placed uniformly in [0, 1]^2."""
+    check_sampler(sampler)
     scale = f32(rng.uniform(sampler.min_scale, sampler.max_scale))
     ratio = f32(rng.uniform(sampler.min_aspect_ratio, sampler.max_aspect_ratio))
     return place_box(scale, ratio, rng)
@@ -193,51 +209,74 @@ def place_box(scale, ratio, rng) -> np.ndarray:
     return np.array([x, y, x + w, y + h], f32)
 
 
-def satisfies(box: np.ndarray, objects: np.ndarray, c) -> bool:
-    """SatisfySampleConstraint, as the fork's loop: no constraint accepts any box; else some
-    object must pass each constraint tested for it (``found``, once set, stays set)."""
-    jac = c.HasField("min_jaccard_overlap") or c.HasField("max_jaccard_overlap")
-    cov = c.HasField("min_sample_coverage") or c.HasField("max_sample_coverage")
-    obj = c.HasField("min_object_coverage") or c.HasField("max_object_coverage")
-    if not (jac or cov or obj):
-        return True
+def sample_boxes(sampler, u: np.ndarray) -> np.ndarray:
+    """``sample_box`` for each row of ``u`` (T, 4), the uniform [0, 1) draws each trial takes in
+    turn (scale, ratio, x, y): the same float64 ``low + (high - low) * u`` numpy's
+    ``Generator.uniform`` computes, and the same float32 steps, so the boxes are its bits."""
+    scale = (sampler.min_scale + (sampler.max_scale - sampler.min_scale) * u[:, 0]).astype(f32)
+    lo, hi = sampler.min_aspect_ratio, sampler.max_aspect_ratio
+    ratio = (lo + (hi - lo) * u[:, 1]).astype(f32)
+    ratio = np.minimum(np.maximum(ratio, scale * scale), f32(1) / (scale * scale))
+    root = np.sqrt(ratio)
+    w, h = scale * root, scale / root
+    x = (np.maximum(f32(1) - w, f32(0)).astype(np.float64) * u[:, 2]).astype(f32)
+    y = (np.maximum(f32(1) - h, f32(0)).astype(np.float64) * u[:, 3]).astype(f32)
+    return np.stack([x, y, x + w, y + h], 1)
+
+
+def constraint_met(boxes: np.ndarray, objects: np.ndarray, c) -> np.ndarray:
+    """SatisfySampleConstraint for each of ``boxes`` (T, 4) -> (T,) bool. No constraint accepts
+    every box. Otherwise, as the fork's loop runs, ``found`` is set once an object passes the
+    first kind of test the constraint has (jaccard, else sample coverage, else object
+    coverage) and never reset; a later kind failing only skips to the next object. So a box
+    is accepted exactly when some object passes that first kind; the later ones never decide."""
+    kinds = [k for k in ("jaccard_overlap", "sample_coverage", "object_coverage")
+             if c.HasField("min_" + k) or c.HasField("max_" + k)]
+    if not kinds:
+        return np.ones(len(boxes), bool)
     if not len(objects):
-        return False
-    tests = []
-    if jac:
-        tests.append((jaccard(box, objects), "jaccard_overlap"))
-    if cov:
-        tests.append((coverage(box, objects), "sample_coverage"))
-    if obj:
-        tests.append((coverage(box, objects, a_is_one=False), "object_coverage"))
-    found = False
-    for i in range(len(objects)):
-        for values, name in tests:
-            v = values[i]
-            if c.HasField("min_" + name) and v < f32(getattr(c, "min_" + name)):
-                break
-            if c.HasField("max_" + name) and v > f32(getattr(c, "max_" + name)):
-                break
-            found = True
-        else:
-            if found:
-                return True
-    return found
+        return np.zeros(len(boxes), bool)
+    first = kinds[0]
+    if first == "jaccard_overlap":
+        v = jaccard(boxes, objects)
+    else:
+        v = coverage(boxes, objects, a_is_one=first == "sample_coverage")
+    ok = np.ones(v.shape, bool)
+    if c.HasField("min_" + first):
+        ok &= ~(v < f32(getattr(c, "min_" + first)))
+    if c.HasField("max_" + first):
+        ok &= ~(v > f32(getattr(c, "max_" + first)))
+    return ok.any(1)
+
+
+def satisfies(box: np.ndarray, objects: np.ndarray, c) -> bool:
+    """SatisfySampleConstraint of one box (4,) (``constraint_met``)."""
+    return bool(constraint_met(np.asarray(box, f32)[None], objects, c)[0])
 
 
 def batch_samples(objects: np.ndarray, samplers, rng: np.random.Generator) -> list[np.ndarray]:
     """GenerateBatchSamples: for each BatchSampler (use_original_image), up to max_trials boxes
-    drawn, those meeting its constraint kept, stopping at max_sample when it is set."""
-    out = []
+    drawn, those meeting its constraint kept, stopping at max_sample when it is set.
+
+    All of a sampler's trials are drawn and tested at once (per trial: the loop's numpy calls
+    cost more than its arithmetic, ~300 trials an image); when max_sample stops the loop
+    early, the generator is wound back to where the loop would have left it, so it yields
+    the same boxes and leaves ``rng`` in the same state as drawing trial by trial."""
+    out: list[np.ndarray] = []
     for s in samplers:
-        if not s.use_original_image:
+        limit = s.max_sample if s.HasField("max_sample") else None
+        if not s.use_original_image or s.max_trials <= 0 or (limit is not None and limit <= 0):
             continue
-        found = 0
-        for _ in range(s.max_trials):
-            if s.HasField("max_sample") and found >= s.max_sample:
-                break
-            box = locate(UNIT, sample_box(s.sampler, rng))
-            if satisfies(box, objects, s.sample_constraint):
-                found += 1
-                out.append(box)
+        check_sampler(s.sampler)
+        state = rng.bit_generator.state
+        u = rng.random((s.max_trials, 4))
+        boxes = locate(UNIT, sample_boxes(s.sampler, u))
+        found = np.flatnonzero(constraint_met(boxes, objects, s.sample_constraint))
+        if limit is not None and len(found) >= limit:
+            found = found[:limit]
+            used = int(found[-1]) + 1           # trials the loop runs before it stops
+            if used < s.max_trials:
+                rng.bit_generator.state = state
+                rng.random(4 * used)
+        out.extend(boxes[found])
     return out

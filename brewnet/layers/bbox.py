@@ -17,27 +17,35 @@ class BoxError(ValueError):
     """Boxes the fork refuses (its CHECKs); layers re-raise it naming themselves."""
 
 
-def size(b: torch.Tensor, normalized: bool = True) -> torch.Tensor:
-    """BBoxSize: w * h (``normalized``) or (w + 1) * (h + 1) (pixel boxes); 0 if inverted."""
+def size(b: np.ndarray, normalized: bool = True) -> np.ndarray:
+    """BBoxSize of float32 boxes: w * h (``normalized``) or (w + 1) * (h + 1) (pixel boxes);
+    0 if inverted."""
     w, h = b[..., 2] - b[..., 0], b[..., 3] - b[..., 1]
-    area = w * h if normalized else (w + 1) * (h + 1)
-    return torch.where((w < 0) | (h < 0), torch.zeros_like(area), area)
+    one = np.float32(1)
+    area = w * h if normalized else (w + one) * (h + one)
+    return np.where((w < 0) | (h < 0), np.float32(0), area).astype(np.float32)
 
 
-def jaccard(a: torch.Tensor, b: torch.Tensor, sa=None, sb=None, normalized: bool = True):
-    """JaccardOverlap of every box of a (M, 4) with every box of b (K, 4) -> (M, K). ``sa``/``sb``
-    are the boxes' stored sizes (default ``size``)."""
-    sa = size(a, normalized) if sa is None else sa
-    sb = size(b, normalized) if sb is None else sb
+def iou(a: np.ndarray, b: np.ndarray, normalized: bool = True) -> np.ndarray:
+    """JaccardOverlap of every box of a (M, 4) with every box of b (K, 4) -> (M, K), float32
+    numpy (matching and NMS are a few small arrays per image: numpy's calls cost a fraction of
+    torch's, and never wait for an OpenMP team)."""
+    sa, sb = size(a, normalized), size(b, normalized)
     a, b = a[:, None, :], b[None, :, :]
     apart = ((b[..., 0] > a[..., 2]) | (b[..., 2] < a[..., 0])
              | (b[..., 1] > a[..., 3]) | (b[..., 3] < a[..., 1]))
-    one = 0 if normalized else 1
-    iw = torch.minimum(a[..., 2], b[..., 2]) - torch.maximum(a[..., 0], b[..., 0]) + one
-    ih = torch.minimum(a[..., 3], b[..., 3]) - torch.maximum(a[..., 1], b[..., 1]) + one
+    one = np.float32(0 if normalized else 1)
+    iw = np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0]) + one
+    ih = np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1]) + one
     inter = iw * ih
-    iou = inter / (sa[:, None] + sb[None, :] - inter)
-    return torch.where(~apart & (iw > 0) & (ih > 0), iou, torch.zeros_like(iou))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = inter / (sa[:, None] + sb[None, :] - inter)
+    return np.where(~apart & (iw > 0) & (ih > 0), out, np.float32(0)).astype(np.float32)
+
+
+def jaccard(a: torch.Tensor, b: torch.Tensor, normalized: bool = True) -> torch.Tensor:
+    """``iou`` of CPU float32 tensors a (M, 4) and b (K, 4) -> (M, K) tensor."""
+    return torch.from_numpy(iou(a.numpy(), b.numpy(), normalized))
 
 
 def _prior_wh(prior):
@@ -92,17 +100,19 @@ def sort_desc(scores: torch.Tensor) -> torch.Tensor:
 
 
 def nms_fast(boxes, scores, score_threshold: float, nms_threshold: float, eta: float = 1.0,
-             top_k: int = -1) -> torch.Tensor:
-    """ApplyNMSFast: boxes (K, 4), scores (K,) -> kept indices, best first. Candidates score above
-    ``score_threshold``, at most ``top_k`` of them; a candidate survives if its overlap with every
-    kept box is <= the threshold, which shrinks by ``eta`` after each keep while above 0.5."""
-    idx = torch.nonzero(scores > score_threshold).flatten()
-    idx = idx[sort_desc(scores[idx])]
+             top_k: int = -1) -> np.ndarray:
+    """ApplyNMSFast: float32 boxes (K, 4), scores (K,) (numpy, or CPU tensors) -> kept indices,
+    best first. Candidates score above ``score_threshold``, at most ``top_k`` of them, by score
+    (ties in index order); a candidate survives if its overlap with every kept box is <= the
+    threshold, which shrinks by ``eta`` after each keep while above 0.5."""
+    boxes, scores = (np.asarray(t.numpy() if isinstance(t, torch.Tensor) else t) for t in (boxes, scores))
+    idx = np.flatnonzero(scores > np.float32(score_threshold))
+    idx = idx[np.argsort(-scores[idx], kind="stable")]
     if top_k > -1:
         idx = idx[:top_k]
     if len(idx) == 0:
         return idx
-    iou = jaccard(boxes[idx], boxes[idx]).numpy()
+    overlap = iou(boxes[idx], boxes[idx])
     thr = np.float32(nms_threshold)
     keep: list[int] = []
     if eta >= 1:
@@ -110,54 +120,53 @@ def nms_fast(boxes, scores, score_threshold: float, nms_threshold: float, eta: f
         for i in range(len(idx)):
             if not gone[i]:
                 keep.append(i)
-                gone |= iou[i] > thr
+                gone |= overlap[i] > thr
     else:
         for i in range(len(idx)):
-            if not keep or bool((iou[i, keep] <= thr).all()):
+            if not keep or bool((overlap[i, keep] <= thr).all()):
                 keep.append(i)
                 if thr > 0.5:
                     thr = np.float32(thr * np.float32(eta))
-    return idx[torch.tensor(keep, dtype=torch.long)]
+    return idx[keep]
 
 
-def match(gt, gt_ids, preds, match_type: int, overlap_threshold: float, ignore_cross_boundary: bool):
-    """MatchBBox: gt (G, 4) with their indices ``gt_ids`` (G,), preds (P, 4) ->
-    (match (P,) long: gt index, -1 unmatched, -2 ignored cross-boundary; overlap (P,) float).
+def match(gt: np.ndarray, gt_ids: np.ndarray, preds: np.ndarray, match_type: int,
+          overlap_threshold: float, ignore_cross_boundary: bool):
+    """MatchBBox on float32 numpy boxes: gt (G, 4) with their indices ``gt_ids`` (G,), preds
+    (P, 4) -> (match (P,) int64: gt index, -1 unmatched, -2 ignored cross-boundary; overlap (P,)
+    float32: the best overlap with any gt, or the matched one's).
 
     Bipartite first: repeatedly the globally best (prediction, gt) pair among unmatched
     predictions and unused gts, ties to the lowest prediction then gt index; then, for
     PER_PREDICTION, each still unmatched prediction takes its best gt with overlap >= threshold.
     Overlaps <= 1e-6 count as none."""
-    P = preds.shape[0]
-    matches = torch.full((P,), -1, dtype=torch.long)
-    best = torch.zeros(P, dtype=torch.float32)
-    if gt.shape[0] == 0:
-        return matches, best
-    ov = jaccard(preds, gt)
+    P, G = preds.shape[0], gt.shape[0]
+    matches = np.full(P, -1, np.int64)
+    if G == 0:
+        return matches, np.zeros(P, np.float32)
+    ov = iou(preds, gt)
     if ignore_cross_boundary:
         cross = ((preds < 0) | (preds > 1)).any(1)
         matches[cross] = -2
         ov[cross] = 0
-    stored = ov > 1e-6
-    best = torch.where(stored, ov, torch.zeros_like(ov)).max(1).values
-    pool = torch.ones(gt.shape[0], dtype=torch.bool)
-    for _ in range(gt.shape[0]):
+    stored = ov > np.float32(1e-6)
+    best = np.where(stored, ov, np.float32(0)).max(1)
+    pool = np.ones(G, bool)
+    for _ in range(G):
         cand = stored & (matches == -1)[:, None] & pool[None, :]
-        if not bool(cand.any()):
+        if not cand.any():
             break
-        flat = int(torch.argmax(torch.where(cand, ov, torch.full_like(ov, -1)).flatten()))
-        i, j = divmod(flat, gt.shape[0])
+        i, j = divmod(int(np.argmax(np.where(cand, ov, np.float32(-1)))), G)
         matches[i], best[i], pool[j] = gt_ids[j], ov[i, j], False
     if match_type == PER_PREDICTION:
-        cand = stored & (ov >= overlap_threshold) & (matches == -1)[:, None]
+        cand = stored & (ov >= np.float32(overlap_threshold)) & (matches == -1)[:, None]
         has = cand.any(1)
-        vals = torch.where(cand, ov, torch.full_like(ov, -1))
-        j = vals.argmax(1)
-        matches = torch.where(has, gt_ids[j], matches)
-        best = torch.where(has, vals.max(1).values, best)
+        vals = np.where(cand, ov, np.float32(-1))
+        matches = np.where(has, gt_ids[vals.argmax(1)], matches)
+        best = np.where(has, vals.max(1), best)
     elif match_type != BIPARTITE:
         raise ValueError(f"unknown match_type {match_type}")
-    return matches, best
+    return matches, best.astype(np.float32)
 
 
 def legacy(shape, i: int) -> int:

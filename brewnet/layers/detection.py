@@ -189,7 +189,8 @@ class DetectionOutput(Layer):
             boxes = B.decode(pbox, pvar, locs, self.code_type, self.var_in_target)   # (n, L, p, 4)
         except B.BoxError as e:
             raise self.fail(str(e)) from None
-        scores = conf.detach().to("cpu", torch.float32).reshape(n, p, c)
+        boxes = boxes.numpy()
+        scores = conf.detach().to("cpu", torch.float32).reshape(n, p, c).numpy()
         rows = []
         for i in range(n):
             kept = {}
@@ -205,10 +206,10 @@ class DetectionOutput(Layer):
                 idx = kept[label]
                 if len(idx):
                     b = boxes[i, 0 if self.share else label, idx]
-                    head = torch.tensor([float(i), float(label)]).expand(len(idx), 2)
-                    rows.append(torch.cat([head, scores[i, idx, label, None], b], 1))
+                    head = np.broadcast_to(np.array([i, label], np.float32), (len(idx), 2))
+                    rows.append(np.concatenate([head, scores[i, idx, label, None], b], 1))
         if rows:
-            out = torch.cat(rows)
+            out = torch.from_numpy(np.concatenate(rows))
         else:  # the fork's "no detection" rows: image id, then -1s
             out = torch.full((n, 7), -1.0)
             out[:, 0] = torch.arange(n, dtype=out.dtype)
@@ -223,7 +224,7 @@ class DetectionOutput(Layer):
         new = {}
         for _, label, j in entries[:self.keep_top_k]:
             new.setdefault(label, []).append(j)
-        return {label: torch.tensor(js, dtype=torch.long) for label, js in new.items()}
+        return {label: np.array(js, dtype=np.int64) for label, js in new.items()}
 
 
 @register("DetectionEvaluate")
@@ -289,46 +290,50 @@ class DetectionEvaluate(Layer):
             if int(r[1]) == p.background_label_id:
                 raise self.fail(f"found the background label {int(r[1])} in the detections")
             dets.setdefault(int(r[0]), {}).setdefault(int(r[1]), []).append(r[2:7])
-        gts = B.ground_truth(gt, p.background_label_id, True, True, self)
-        out = torch.zeros(self.reshape([det.shape, gt.shape])[0][2], 5, dtype=torch.float64)
+        gts = {i: tuple(t.numpy() for t in g) for i, g in
+               B.ground_truth(gt, p.background_label_id, True, True, self).items()}
+        out = np.zeros((self.reshape([det.shape, gt.shape])[0][2], 5))
         k = 0
         for c in range(p.num_classes):
             if c != p.background_label_id:
-                counted = [(g[0] == c) & (p.evaluate_difficult_gt | ~g[2]) for g in gts.values()]
-                n_pos = sum(int(m.sum()) for m in counted)
-                out[k] = torch.tensor([-1.0, c, n_pos, -1, -1])
+                n_pos = sum(int(np.count_nonzero((g[0] == c) & (p.evaluate_difficult_gt | ~g[2])))
+                            for g in gts.values())
+                out[k] = [-1.0, c, n_pos, -1, -1]
                 k += 1
         for image in sorted(dets):
             for label, found in sorted(dets[image].items()):
-                found = torch.tensor(found, dtype=torch.float32)
-                found = found[B.sort_desc(found[:, 0])]
-                flags = torch.tensor([[0.0, 1.0]]).repeat(len(found), 1)   # false positive
+                found = np.array(found, dtype=np.float32)
+                found = found[np.argsort(-found[:, 0], kind="stable")]    # by score, stable
+                flags = np.tile([0.0, 1.0], (len(found), 1))               # false positive
                 g = gts.get(image)
                 if g is not None and bool((g[0] == label).any()):
                     sel = g[0] == label
                     flags = self._flags(found[:, 1:], g[1][sel], g[2][sel],
                                         None if normalized else sizes[self.count])
-                head = torch.tensor([float(image), float(label)]).expand(len(found), 2)
-                out[k:k + len(found)] = torch.cat([head, found[:, :1], flags], 1).double()
+                out[k:k + len(found), :2] = [image, label]
+                out[k:k + len(found), 2] = found[:, 0]
+                out[k:k + len(found), 3:] = flags
                 k += len(found)
             if sizes:
                 self.count = (self.count + 1) % len(sizes)
-        return [out.to(device=det.device, dtype=det.dtype)[None, None]]
+        return [torch.from_numpy(out).to(device=det.device, dtype=det.dtype)[None, None]]
 
     def _flags(self, boxes, gboxes, difficult, hw):
         """[tp, fp] per detection (best first): the best-overlapping gt counts once."""
         if hw is not None:   # clip, then scale to pixels; sizes become (w + 1) * (h + 1)
-            scale = torch.tensor([hw[1], hw[0], hw[1], hw[0]], dtype=torch.float32)
-            boxes, gboxes = boxes.clamp(0, 1) * scale, gboxes.clamp(0, 1) * scale
-        iou = B.jaccard(boxes, gboxes, normalized=hw is None)
-        visited = torch.zeros(len(gboxes), dtype=torch.bool)
-        flags = torch.zeros(len(boxes), 2)
+            scale = np.array([hw[1], hw[0], hw[1], hw[0]], dtype=np.float32)
+            boxes, gboxes = np.clip(boxes, 0, 1) * scale, np.clip(gboxes, 0, 1) * scale
+        iou = B.iou(boxes, gboxes, normalized=hw is None)
+        best = iou.argmax(1)
+        hit = iou[np.arange(len(boxes)), best] >= np.float32(self.p.overlap_threshold)
+        visited = np.zeros(len(gboxes), dtype=bool)
+        flags = np.zeros((len(boxes), 2))
         for i in range(len(boxes)):
-            j = int(iou[i].argmax())
-            if iou[i, j] >= self.p.overlap_threshold:
+            j = best[i]
+            if hit[i]:
                 if self.p.evaluate_difficult_gt or not difficult[j]:
-                    flags[i] = torch.tensor([0.0, 1.0] if visited[j] else [1.0, 0.0])
+                    flags[i] = (0.0, 1.0) if visited[j] else (1.0, 0.0)
                     visited[j] = True
             else:
-                flags[i] = torch.tensor([0.0, 1.0])
+                flags[i] = (0.0, 1.0)
         return flags

@@ -88,23 +88,25 @@ class MultiBoxLoss(Layer):
         return [()]
 
     def _matches(self, gts, pbox, pvar, loc4):
-        """FindMatches: per image {label: (match (P,), overlap (P,))}; {} for an image without gt."""
+        """FindMatches: per image {label: (match (P,), overlap (P,))} as numpy arrays; {} for an
+        image without gt."""
         p, out = self.p, []
         locs = None if p.use_prior_for_matching else loc4.detach().to("cpu", torch.float32)
+        pbox_np = pbox.numpy()
+        args = (p.match_type, p.overlap_threshold, p.ignore_cross_boundary_bbox)
         for i in range(loc4.shape[0]):
             if i not in gts:
                 out.append({})
                 continue
             glab, gbox, _ = gts[i]
-            ids = torch.arange(len(glab))
-            args = (p.match_type, p.overlap_threshold, p.ignore_cross_boundary_bbox)
+            ids = np.arange(len(glab))
             if p.use_prior_for_matching:
-                m, o = B.match(gbox, ids, pbox, *args)
+                m, o = B.match(gbox, ids, pbox_np, *args)
                 if p.share_location:
                     out.append({-1: (m, o)})
                 else:   # distribute to the gt's own class; -2 (ignored) becomes -1 here
-                    lab_of = glab[m.clamp_min(0)]
-                    out.append({c: (torch.where((m > -1) & (lab_of == c), m, -1), o)
+                    lab_of = glab[np.maximum(m, 0)]
+                    out.append({c: (np.where((m > -1) & (lab_of == c), m, -1), o)
                                 for c in range(self.num_classes) if c != p.background_label_id})
                 continue
             per = {}
@@ -114,7 +116,7 @@ class MultiBoxLoss(Layer):
                     continue
                 boxes = B.decode(pbox, pvar, locs[i, :, c], p.code_type, p.encode_variance_in_target)
                 sel = ids if label == -1 else ids[glab == label]
-                per[label] = B.match(gbox[sel], sel, boxes, *args)
+                per[label] = B.match(gbox[sel], sel, boxes.numpy(), *args)
             out.append(per)
         return out
 
@@ -122,25 +124,26 @@ class MultiBoxLoss(Layer):
         """MAX_NEGATIVE mining: per image the highest-loss unmatched priors (overlap below
         neg_overlap), at most neg_pos_ratio * positives, in ascending prior order."""
         p, n = self.p, conf.shape[0]
+        lab = np.full(conf.shape[:2], p.background_label_id, np.int64)
+        for i, per in enumerate(matches):
+            if -1 in per:
+                m = per[-1][0]
+                lab[i] = np.where(m > -1, gts[i][0][np.maximum(m, 0)], lab[i])
         with torch.no_grad():
-            lab = torch.full(conf.shape[:2], p.background_label_id, dtype=torch.long)
-            for i, per in enumerate(matches):
-                if -1 in per:
-                    m = per[-1][0]
-                    lab[i] = torch.where(m > -1, gts[i][0][m.clamp_min(0)], lab[i])
             x = conf.detach().cpu()
-            x = x - x.max(2, keepdim=True).values
-            prob = torch.exp(x.gather(2, lab[..., None])[..., 0]) / torch.exp(x).sum(2)
-            loss = (-torch.log(prob.clamp_min(np.finfo(np.float32).tiny))).float()
+            x = x - x.amax(2, keepdim=True)     # amax: max(dim)'s kernel splits even tiny rows
+            prob = torch.exp(x.gather(2, torch.from_numpy(lab)[..., None])[..., 0]) / torch.exp(x).sum(2)
+            loss = (-torch.log(prob.clamp_min(np.finfo(np.float32).tiny))).float().numpy()
+        ratio, neg_overlap = np.float32(p.neg_pos_ratio), np.float32(p.neg_overlap)
         negs = []
         for i in range(n):
             sel = []
             for _, (m, o) in sorted(matches[i].items()):
-                eligible = torch.nonzero((m == -1) & (o < p.neg_overlap)).flatten()
-                n_pos = int((m > -1).sum())
-                k = min(int(np.float32(n_pos) * np.float32(p.neg_pos_ratio)), len(eligible))
-                sel += eligible[B.sort_desc(loss[i, eligible])[:k]].tolist()
-            negs.append(sorted(sel))
+                eligible = np.flatnonzero((m == -1) & (o < neg_overlap))
+                k = min(int(np.float32(np.count_nonzero(m > -1)) * ratio), len(eligible))
+                # highest loss first, ties in prior order (the fork's stable sort)
+                sel.append(eligible[np.argsort(-loss[i, eligible], kind="stable")[:k]])
+            negs.append(np.sort(np.concatenate(sel)) if sel else np.zeros(0, np.int64))
         return negs
 
     def forward(self, bottoms):
@@ -153,10 +156,11 @@ class MultiBoxLoss(Layer):
         p, n, c = self.p, loc.shape[0], self.num_classes
         P = B.legacy(prior.shape, 2) // 4
         pbox, pvar = B.priors_from_blob(prior, P)
-        gts = B.ground_truth(label, p.background_label_id, p.use_difficult_gt, False, self)
+        gts = {i: (lab.numpy(), box.numpy(), diff.numpy()) for i, (lab, box, diff) in
+               B.ground_truth(label, p.background_label_id, p.use_difficult_gt, False, self).items()}
         loc4 = loc.reshape(n, P, self.loc_classes, 4)
         matches = self._matches(gts, pbox, pvar, loc4)
-        num_matches = sum(int((m > -1).sum()) for per in matches for m, _ in per.values())
+        num_matches = sum(int(np.count_nonzero(m > -1)) for per in matches for m, _ in per.values())
         negs = self._negatives(conf.reshape(n, P, c), matches, gts) if self.mining else None
         norm = float(normalizer(self.normalization, n, P, torch.tensor(float(num_matches))))
         loss = loc.new_zeros(())
@@ -168,27 +172,36 @@ class MultiBoxLoss(Layer):
                 loss = loss + softmax_loss(rows, labels.to(rows.dtype), 1, None, NONE) / norm
         return [loss]
 
-    def _loc_loss(self, loc4, matches, gts, pbox, pvar):
-        p, preds, targets = self.p, [], []
+    def _positives(self, matches, gts):
+        """Every matched (image, prior) in the fork's order (image, label, prior): images,
+        priors, loc columns, matched gt boxes and their labels, as numpy arrays."""
+        parts = []
         for i, per in enumerate(matches):
             for label, (m, _) in sorted(per.items()):
-                js = torch.nonzero(m > -1).flatten()
-                if not len(js):
-                    continue
-                tgt = B.encode(pbox[js], pvar[js], gts[i][1][m[js]], p.code_type,
-                               p.encode_variance_in_target).to(loc4)
-                pred = loc4[i, js.to(loc4.device), 0 if p.share_location else label]
-                if p.bp_inside:   # a coordinate outside the image gets its target: no gradient
-                    ref = pbox[js] if p.use_prior_for_matching else B.decode(
-                        pbox[js], pvar[js], pred.detach().cpu().float(), p.code_type,
-                        p.encode_variance_in_target)
-                    pred = torch.where(((ref < 0) | (ref > 1)).to(pred.device), tgt, pred)
-                if p.encode_variance_in_target:
-                    v = pvar[js].to(loc4)
-                    pred, tgt = pred / v, tgt / v
-                preds.append(pred)
-                targets.append(tgt)
-        d = torch.cat(preds) - torch.cat(targets)
+                js = np.flatnonzero(m > -1)
+                if len(js):
+                    col = 0 if self.p.share_location else label
+                    parts.append((np.full(len(js), i), js, np.full(len(js), col),
+                                  gts[i][1][m[js]], gts[i][0][m[js]]))
+        return [np.concatenate(a) for a in zip(*parts)] if parts else None
+
+    def _loc_loss(self, loc4, matches, gts, pbox, pvar):
+        p = self.p
+        img, js, col, gbox, _ = self._positives(matches, gts)
+        js_t = torch.from_numpy(js)
+        prior, var = pbox[js_t], pvar[js_t]
+        tgt = B.encode(prior, var, torch.from_numpy(gbox), p.code_type,
+                       p.encode_variance_in_target).to(loc4)
+        where = tuple(torch.from_numpy(a).to(loc4.device) for a in (img, js, col))
+        pred = loc4[where]
+        if p.bp_inside:   # a coordinate outside the image gets its target: no gradient
+            ref = prior if p.use_prior_for_matching else B.decode(
+                prior, var, pred.detach().cpu().float(), p.code_type, p.encode_variance_in_target)
+            pred = torch.where(((ref < 0) | (ref > 1)).to(pred.device), tgt, pred)
+        if p.encode_variance_in_target:
+            v = var.to(loc4)
+            pred, tgt = pred / v, tgt / v
+        d = pred - tgt
         return smooth_l1(d).sum() if p.loc_loss_type == 1 else (d * d).sum() / 2
 
     def _conf_rows(self, conf, matches, gts, negs):
@@ -198,26 +211,24 @@ class MultiBoxLoss(Layer):
         bg = p.background_label_id
         agnostic = p.map_object_to_agnostic
         if negs is None:
-            lab = torch.full(conf.shape[:2], bg, dtype=torch.long)
+            lab = np.full(conf.shape[:2], bg, np.int64)
             for i, per in enumerate(matches):
                 for _, (m, _) in sorted(per.items()):
-                    gl = torch.full_like(m, bg + 1) if agnostic else gts[i][0][m.clamp_min(0)]
-                    lab[i] = torch.where(m > -1, gl, lab[i])
-            return conf.reshape(-1, conf.shape[2]), lab.reshape(-1).to(conf.device)
+                    gl = np.full_like(m, bg + 1) if agnostic else gts[i][0][np.maximum(m, 0)]
+                    lab[i] = np.where(m > -1, gl, lab[i])
+            return conf.reshape(-1, conf.shape[2]), torch.from_numpy(lab.reshape(-1)).to(conf.device)
         idx, labs = [], []
         P = conf.shape[1]
         for i, per in enumerate(matches):
             if i not in gts:
                 continue
             for _, (m, _) in sorted(per.items()):
-                js = torch.nonzero(m > -1).flatten()
+                js = np.flatnonzero(m > -1)
                 idx.append(js + i * P)
-                labs.append(torch.full_like(js, bg + 1) if agnostic else gts[i][0][m[js]])
-            idx.append(torch.tensor(negs[i], dtype=torch.long) + i * P)
-            labs.append(torch.full((len(negs[i]),), bg, dtype=torch.long))
-        idx = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
-        labs = torch.cat(labs) if labs else torch.zeros(0, dtype=torch.long)
-        rows = conf.reshape(-1, conf.shape[2])[idx.to(conf.device)]
-        return rows, labs.to(conf.device)
-
-
+                labs.append(np.full(len(js), bg + 1) if agnostic else gts[i][0][m[js]])
+            idx.append(negs[i] + i * P)
+            labs.append(np.full(len(negs[i]), bg))
+        idx = np.concatenate(idx).astype(np.int64) if idx else np.zeros(0, np.int64)
+        labs = np.concatenate(labs).astype(np.int64) if labs else np.zeros(0, np.int64)
+        rows = conf.reshape(-1, conf.shape[2])[torch.from_numpy(idx).to(conf.device)]
+        return rows, torch.from_numpy(labs).to(conf.device)
