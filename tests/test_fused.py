@@ -271,3 +271,37 @@ def test_unfusable_layer_and_solver_named(lenet, tmp_path):
     with pytest.raises(FuseError, match="iter_size"):
         FusedSolvers([solver(lenet, 0), solver(lenet, 1, iter_size=2)], device="cpu")
     assert issubclass(FuseError, ValueError)      # the CLI reports it as a user error
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_recorded_fused_step_equals_the_eager_fused_step_bitwise(lenet, monkeypatch, caplog, exact):
+    """The fused step of K nets as one recorded graph (brewnet/many/fused_graph.py: forward,
+    backward and the updates of SGD, Nesterov and Adam nets, one clipping, one L1) replayed
+    with rates that change every iteration: every param, history, loss and log line is the
+    eager fused step's (which the tests above compare with each net alone)."""
+    def run(mode):
+        monkeypatch.setenv("BREWNET_STEP_GRAPH", mode)
+        params = [solver(lenet, 0, type="Adam", base_lr=0.001, momentum2=0.999, max_iter=10),
+                  solver(lenet, 1, type="SGD", clip_gradients=0.1, regularization_type="L1"),
+                  solver(lenet, 2, type="Nesterov", lr_policy="step", stepsize=3, gamma=0.5),
+                  solver(lenet, 3, type="SGD", base_lr=0.02)]
+        for p in params:
+            p.display, p.test_interval, p.max_iter = 4, 50, min(p.max_iter, 12)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="brewnet"):
+            fs = FusedSolvers(params, device="cpu", exact=exact)
+            fs.solve()
+        lines = [re.sub(r" \(.* iter/s, .*\)", "", r.getMessage()) for r in caplog.records
+                 if "Iteration" in r.getMessage() or "clipping" in r.getMessage()]
+        return fs, lines
+    eager, e_lines = run("0")
+    graph, g_lines = run("1")
+    g = graph._graph
+    assert getattr(eager, "_graph", None) is None and g.gm is not None and g.tries == 2
+    assert e_lines == g_lines and any("clipping" in ln for ln in g_lines)
+    for a, b in zip(eager.solvers, graph.solvers):
+        assert a.iter == b.iter and a.smoothed_loss == b.smoothed_loss
+        for x, y in zip(a.net.learnable, b.net.learnable):
+            assert torch.equal(x, y)
+        for x, y in zip(a.history, b.history):
+            assert torch.equal(x, y)

@@ -78,9 +78,19 @@ def net_prefix(k: int, prefixes=None):
 
 
 def _col(values, like: torch.Tensor) -> torch.Tensor:
-    """Per-net float32 scalars as a (m, 1, ...) column broadcasting over ``like`` (m, ...)."""
+    """Per-net float32 scalars as a (m, 1, ...) column broadcasting over ``like`` (m, ...);
+    ``values`` a list, or a float32 tensor (m,) (a recorded step's per-iteration values)."""
+    if isinstance(values, torch.Tensor):
+        return values.to(dtype=like.dtype).view(-1, *([1] * (like.dim() - 1)))
     col = torch.from_numpy(np.asarray(values, dtype=np.float32))
     return col.to(device=like.device, dtype=like.dtype).view(-1, *([1] * (like.dim() - 1)))
+
+
+def _times(a, b):
+    """Per-net float32 products: of lists (numpy float32), or of a float32 tensor by a list."""
+    if isinstance(a, torch.Tensor):
+        return a * torch.from_numpy(np.asarray(b, dtype=np.float32)).to(a.device)
+    return [f32(x) * f32(y) for x, y in zip(a, b)]
 
 
 def as_dtype(solver, dtype) -> None:
@@ -95,13 +105,13 @@ def as_dtype(solver, dtype) -> None:
 
 # -- update rules over a slice of stacked nets (Caffe's ComputeUpdateValue, K at once): p, g
 # and the history sets are (m, ...) slices, ``rate`` the m nets' float32 local rates ----------
-def _sgd(solvers, p, g, hist, i, rate):
+def _sgd(solvers, p, g, hist, i, rate, corr):
     h, rate = hist[0], _col(rate, p)
     h.mul_(_col([s.param.momentum for s in solvers], h)).addcmul_(g, rate)
     p.sub_(h)
 
 
-def _nesterov(solvers, p, g, hist, i, rate):
+def _nesterov(solvers, p, g, hist, i, rate, corr):
     h, rate = hist[0], _col(rate, p)
     m = _col([s.param.momentum for s in solvers], h)
     prev = h.clone()
@@ -109,17 +119,24 @@ def _nesterov(solvers, p, g, hist, i, rate):
     p.sub_(h * _col([f32(1) + f32(s.param.momentum) for s in solvers], h) - prev * m)
 
 
-def _adam(solvers, p, g, hist, i, rate):
+def _adam(solvers, p, g, hist, i, rate, corr):
     m, v = hist
     b1 = [f32(s.param.momentum) for s in solvers]
     b2 = [f32(s.param.momentum2) for s in solvers]
-    t = solvers[0].iter + 1
-    corr = [f32(math.sqrt(1 - math.pow(float(y), t)) / (1 - math.pow(float(x), t)))
-            for x, y in zip(b1, b2)]
     m.mul_(_col(b1, m)).addcmul_(g, _col([f32(1) - x for x in b1], m))
     v.mul_(_col(b2, v)).addcmul_(g * g, _col([f32(1) - y for y in b2], v))
     step = m / v.sqrt().add_(_col([s.param.delta for s in solvers], v))
-    p.sub_(step.mul_(_col([r * c for r, c in zip(rate, corr)], p)))
+    p.sub_(step.mul_(_col(rate * corr if isinstance(rate, torch.Tensor)
+                          else [r * c for r, c in zip(rate, corr)], p)))
+
+
+def corrections(solvers) -> list:
+    """Adam's bias corrections of this iteration, per net (1 for the other rules)."""
+    out = []
+    for s in solvers:
+        fn = getattr(s, "iteration_scalars", None)
+        out.append(fn()["correction"] if fn is not None else f32(1))
+    return out
 
 
 UPDATES = {"SGD": _sgd, "Nesterov": _nesterov, "Adam": _adam}
@@ -279,7 +296,10 @@ class FusedSolvers:
                     with self._prefix(k):
                         s.test_all()
                     self._tested[k] = s.iter
-            losses, outputs, first = self._forward_backward()
+            graph = self._step_graph()
+            got = graph.forward_backward(active, min(stops[k] - self.solvers[k].iter for k in active)) \
+                if graph is not None else None
+            losses, outputs, first = got if got is not None else self._forward_backward()
             self._finish(pending, first, start)
             pending = []
             for k in active:
@@ -294,7 +314,8 @@ class FusedSolvers:
                                  (s.iter - last) / (lapse or 1), lapse, s.param.display, s.smoothed_loss)
                         s._log_outputs(s.net, "Train", {n: v[self.order.index(k)] for n, v in outputs.items()})
                     tic[k] = (time.perf_counter(), s.iter)
-            self._update(set(active))
+            if graph is None or not graph.finish(active):
+                self._update(set(active))
             for k in active:
                 s = self.solvers[k]
                 s.iter += 1
@@ -312,6 +333,24 @@ class FusedSolvers:
                 _, losses, _ = self.fused.forward()
             self._finish(pending, [f32(x) for x in losses.cpu().numpy()], start)
             yield
+
+    def _step_graph(self):
+        """The fused step as a recorded graph (``fused_graph.py``) where it can be; None: eager."""
+        from . import fused_graph
+
+        g = getattr(self, "_graph", None)
+        if g is not None and g.fused is self.fused:
+            return g
+        refused = getattr(self, "_graph_refused", None)
+        if refused is not None and refused[0] is self.fused:
+            return None
+        why = fused_graph.refusal(self)
+        if why:
+            log.debug("fused step graph: %s", why)
+            self._graph_refused = (self.fused, why)
+            return None
+        g = self._graph = fused_graph.FusedStepGraph(self)
+        return g
 
     def _finish(self, pending, first_losses, start) -> None:
         """Solve's tail for nets that reached max_iter: the last display loss (the next batch,
@@ -339,82 +378,129 @@ class FusedSolvers:
             if j == 0:
                 first = [f32(x) for x in per.cpu().numpy()]
         values = [f32(x) / f32(iter_size) for x in total.cpu().numpy()]
+        self._check_finite(values)
+        return values, outputs, first
+
+    def _check_finite(self, values) -> None:
         for pos, v in enumerate(values):
             if not math.isfinite(v):
                 k = self.order[pos]
                 err = LossNotFiniteError(f"{self._label(k)}Iteration {self.solvers[k].iter}: loss is {v}")
                 err.solver_index = k             # which net (a search fails its trial alone)
                 raise err
-        return values, outputs, first
 
-    def _update(self, active: set) -> None:
+    def _update(self, active: set, grads=None, scalars=None):
         """One update of every running net (Caffe's ApplyUpdate: rate, clipping, iter_size
-        normalisation, regularisation, the rule), group by group over stacked slices."""
+        normalisation, regularisation, the rule), group by group over stacked slices.
+        ``grads``: the stacked params' gradients (default their ``.grad``); ``scalars``: a
+        recorded step's (2, K) float32 tensor of each stack position's rate and Adam correction
+        (default: computed here, with the lr log lines). Returns the clipping norms per group
+        that clips, when ``scalars`` is given (their log lines are the caller's)."""
         ps = self.fused.params
+        norms = []
         with torch.no_grad():
-            grads = []
-            for i, p in enumerate(ps):
-                g = p.grad if p.grad is not None else torch.zeros_like(p.detach())
+            if grads is None:
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p.detach()) for p in ps]
+            for i, g in enumerate(grads):
                 if self._lr_masks[i] is not None:
                     g.mul_(self._lr_masks[i])
-                grads.append(g)
             for kind, a, b in self.groups:
                 run = [k for k in self.order[a:b] if k in active]
                 if not run:
                     continue
                 b = a + len(run)                     # running nets are a prefix of the group
                 solvers = [self.solvers[k] for k in run]
-                rates = self._rates(run)
-                self._clip(run, [g[a:b] for g in grads])
+                if scalars is None:
+                    rates, corr = self._rates(run), corrections(solvers)
+                else:
+                    rates, corr = scalars[0, a:b], scalars[1, a:b]
+                norm = self._clip(run, [g[a:b] for g in grads], log_now=scalars is None)
+                if norm is not None:
+                    norms.append(norm)
                 for i, p in enumerate(ps):
                     self._apply(UPDATES[kind], solvers, p.detach()[a:b], grads[i][a:b],
-                                [h[i][a:b] for h in self.history[:solvers[0].history_sets]], i, rates)
+                                [h[i][a:b] for h in self.history[:solvers[0].history_sets]], i,
+                                rates, corr)
+        return norms
 
-    def _rates(self, run) -> list:
+    def _rates(self, run, log_now: bool = True) -> list:
         out = []
         for k in run:
             s = self.solvers[k]
             rate, s.current_step = policy(s.param.lr_policy)(s.param, s.iter, s.current_step)
-            if s.param.display and s.iter % s.param.display == 0:
-                with self._prefix(k):
-                    log.info("Iteration %d, lr = %g", s.iter, rate)
+            if log_now:
+                self._log_rate(k, rate)
             out.append(rate)
         return out
 
-    def _clip(self, run, grads) -> None:
+    def _log_rate(self, k: int, rate) -> None:
+        s = self.solvers[k]
+        if s.param.display and s.iter % s.param.display == 0:
+            with self._prefix(k):
+                log.info("Iteration %d, lr = %g", s.iter, rate)
+
+    def _clip(self, run, grads, log_now: bool = True):
+        """Each net's gradients scaled to its clip_gradients norm. On tensors (``log_now``
+        False: a recorded step) the scale is computed on the device and the norms (m,) are
+        returned for ``log_clipping``; else they are read here and logged."""
         clips = [f32(self.solvers[k].param.clip_gradients) for k in run]
         if all(c < 0 for c in clips) or not grads:
-            return
+            return None
         # Each net's norm summed as alone (per blob, then over blobs): the same float32 scale.
         sq = torch.stack([torch.stack([g[j].float().pow(2).sum() for g in grads]).sum()
                           for j in range(len(run))])
+        if not log_now:
+            norm = sq.double().sqrt().float()      # math.sqrt of the float32 sum, to float32
+            c = torch.from_numpy(np.asarray(clips, dtype=np.float32)).to(norm.device)
+            scale = torch.where((c >= 0) & (norm > c), c / norm, 1.0)
+            for g in grads:
+                g.mul_(_col(scale, g))
+            return norm
         scales = []
         for k, c, s2 in zip(run, clips, sq.cpu().numpy()):
             norm = f32(math.sqrt(float(s2)))
-            scale = f32(1)
-            if c >= 0 and norm > c:
-                scale = c / norm
-                with self._prefix(k):
-                    log.info("Gradient clipping: scaling down gradients (L2 norm %g > %g) by "
-                             "scale factor %g", norm, c, scale)
-            scales.append(scale)
+            scales.append(self.log_clipping(k, c, norm))
         if any(x != 1 for x in scales):
             for g in grads:
                 g.mul_(_col(scales, g))
+        return None
 
-    def _apply(self, rule, solvers, p, g, hist, i, rates) -> None:
+    def log_clipping(self, k: int, clip, norm):
+        """Caffe's clipping line for net ``k`` when its norm is over its clip; the scale."""
+        if clip >= 0 and norm > clip:
+            scale = clip / norm
+            with self._prefix(k):
+                log.info("Gradient clipping: scaling down gradients (L2 norm %g > %g) by "
+                         "scale factor %g", norm, clip, scale)
+            return scale
+        return f32(1)
+
+    def _apply(self, rule, solvers, p, g, hist, i, rates, corr) -> None:
         iter_size = solvers[0].param.iter_size
         if iter_size > 1:
             g.mul_(float(f32(1) / f32(iter_size)))
         decay = [f32(s.param.weight_decay) * f32(s.net.decay_mults[i]) for s in solvers]
+        local = _times(rates, [s.net.lr_mults[i] for s in solvers])
         if self.exact and rule is not _sgd:
             # each net's own rule on its row, as alone (Adam's and Nesterov's stacked forms
             # round their per-net products in another order; SGD's rounds as alone)
+            n = len(self.fused.params)
             for j, s in enumerate(solvers):
                 if decay[j]:
                     l1 = s.param.regularization_type == "L1"
                     g[j].add_(torch.sign(p[j]) if l1 else p[j], alpha=float(decay[j]))
-                s.compute_update(i, p[j], g[j], float(f32(rates[j]) * f32(s.net.lr_mults[i])))
+                own = s.history      # its rows of this slice (views made here: a recording
+                s.history = list(own)     # sees them made from the stacked history)
+                for set_j, h in enumerate(hist):
+                    s.history[set_j * n + i] = h[j]
+                try:
+                    if isinstance(local, torch.Tensor):      # a recorded step: 0-d tensors
+                        s.scalar_inputs = {"correction": corr[j]}
+                        s.compute_update(i, p[j], g[j], local[j])
+                    else:
+                        s.compute_update(i, p[j], g[j], float(local[j]))
+                finally:
+                    s.history, s.scalar_inputs = own, None
                 p[j].sub_(g[j])
             return
         if any(decay):
@@ -422,4 +508,4 @@ class FusedSolvers:
             reg = p if not any(l1) else torch.sign(p) if all(l1) else torch.where(
                 _col(l1, p).bool(), torch.sign(p), p)
             g.addcmul_(reg, _col(decay, p))
-        rule(solvers, p, g, hist, i, [f32(r) * f32(s.net.lr_mults[i]) for r, s in zip(rates, solvers)])
+        rule(solvers, p, g, hist, i, local, corr)

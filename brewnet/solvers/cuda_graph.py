@@ -32,7 +32,7 @@ import threading
 
 import torch
 
-from .step_graph import DEVICE_GRAPHS, StepGraph, _same
+from .step_graph import DEVICE_GRAPHS, StepGraph, _same, as_param_grad
 
 log = logging.getLogger("brewnet")
 WARMUP = 3      # eager runs on a side stream before capture (torch's docs use 3 for DDP/AMP)
@@ -162,10 +162,21 @@ class CudaStepGraph(StepGraph):
 
         def step(*args):
             xs, scalars = args[:-1], args[-1]
-            out = fb(*xs)
-            grads = [out[j] if j is not None else torch.zeros_like(t) for j, t in zip(where, learn)]
+            out = list(fb(*xs))
+            return (*out, *with_update(out, ugm, scalars))
+
+        def with_update(out, ugm, scalars) -> list:
+            """The update on fb's outputs ``out`` (its gradients put in the params' layout, in
+            place in ``out``: they hold the steps after); the made zero gradients and the
+            update's outputs."""
+            grads = []
+            for j, t in zip(where, learn):
+                if j is not None:
+                    out[j] = as_param_grad(out[j], t)
+                grads.append(out[j] if j is not None else torch.zeros_like(t))
             made = [g for g, j in zip(grads, where) if j is None]
-            return (*out, *made, *ugm(*grads, *learn, *hist, scalars))
+            return [*made, *ugm(*grads, *learn, *hist, scalars)]
+        self._with_update = with_update
         return step, learn + hist, where
 
     def _took(self, out, upd) -> tuple:
@@ -187,9 +198,8 @@ class CudaStepGraph(StepGraph):
         scalars = upd.host_scalars()
         before = [t.clone() for t in state]
         fb = [t.clone() for t in self.captured(xs)]
-        grads = [fb[j] if j is not None else torch.zeros_like(t) for j, t in zip(where, state)]
-        ref = (*fb, *[g for g, j in zip(grads, where) if j is None],
-               *[t.clone() for t in upd.run(grads, scalars)])
+        rest = self._with_update(fb, lambda *a: upd.run(a[:-1 - len(state)], a[-1]), scalars)
+        ref = (*fb, *[t.clone() for t in rest])
         ref_state = [t.clone() for t in state]
         for t, b in zip(state, before):
             t.copy_(b)

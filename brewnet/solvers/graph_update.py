@@ -58,6 +58,13 @@ def _iteration_scalars(solver) -> dict:
     return fn() if fn is not None else {}
 
 
+def scaled_add(h: torch.Tensor, g: torch.Tensor, rate) -> torch.Tensor:
+    """``scaled_add_`` for one tensor (``h += rate * g``; the per-param rules)."""
+    if isinstance(rate, torch.Tensor):
+        return h.addcmul_(g, rate)
+    return h.add_(g, alpha=rate)
+
+
 def refusal(solver) -> str | None:
     """Why ``solver``'s update cannot be recorded (None: it can)."""
     from .base import SOLVERS
@@ -164,8 +171,9 @@ class UpdateGraph:
 
     def record(self, grads) -> bool:
         """Record the update on this iteration's ``grads`` (the params' diffs, before the
-        update), checked against the eager update on the same state: either way the update of
-        this iteration is done when it returns (True: by the graph, which is kept)."""
+        update) and check the recorded graph's replay against the eager update on the same
+        state: either way the update of this iteration is done when it returns (True: by the
+        graph, which is kept)."""
         from ..graph_record import RecordError, unbox
         from ..graph_record import record as record_graph
         from .step_graph import _same
@@ -176,33 +184,41 @@ class UpdateGraph:
         state = [t.detach() for t in s.net.learnable] + list(s.history) + list(grads)
         before = [t.clone() for t in state]
         step = s.current_step
+
+        def restore():
+            with torch.no_grad():
+                for t, b in zip(state, before):
+                    t.copy_(b)
         with torch.no_grad():
             s.apply_update(store_step=True)          # the eager update: the reference
             eager = [t.clone() for t in state]
-            for t, b in zip(state, before):
-                t.copy_(b)
+        restore()
         s.current_step = step
         self.gm, self.key = None, None
+        scalars = self.host_scalars()
         try:
             with torch.no_grad():
-                gm = record_graph(self._update, self._inputs(grads, self.host_scalars()))
+                gm = record_graph(self._update, self._inputs(grads, scalars))
+            restore()
+            unbox(gm)
+            self.gm = gm
+            self.run(grads, scalars)                 # the replay, as later iterations run it
         except (RecordError, RuntimeError) as e:
             log.debug("update graph: recording failed: %s: %s", type(e).__name__, e)
-            gm = None
-        if gm is None or not all(_same(a, b) for a, b in zip(state, eager)):
-            if gm is not None:
+            self.gm = None
+        if self.gm is None or not all(_same(a, b) for a, b in zip(state, eager)):
+            if self.gm is not None:
                 log.warning("update graph: the recorded update differs from the eager one; "
                             "solver of net '%s' keeps the eager update", s.net.name)
             with torch.no_grad():
                 for t, e in zip(state, eager):
                     t.copy_(e)
-            self.tries = 3
+            self.gm, self.tries = None, 3
             return False
-        unbox(gm)
-        self.gm, self.key = gm, self.current_key()
+        self.key = self.current_key()
         log.info("Net '%s': the %s update recorded as one graph (%d ops)", s.net.name,
                  type(s).solver_type or type(s).__name__,
-                 sum(n.op == "call_function" for n in gm.graph.nodes))
+                 sum(n.op == "call_function" for n in self.gm.graph.nodes))
         return True
 
     def run(self, grads, scalars: torch.Tensor | None = None) -> tuple:

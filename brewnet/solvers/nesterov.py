@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .base import register
-from .graph_update import scaled_add_
+from .graph_update import scaled_add, scaled_add_
 from .sgd import SGDSolver
 
 
@@ -18,7 +18,7 @@ class NesterovSolver(SGDSolver):
         h = self.history[i]
         m = float(self.param.momentum)
         prev = h.clone()
-        h.mul_(m).add_(grad, alpha=local_rate)
+        scaled_add(h.mul_(m), grad, local_rate)
         grad.copy_(h).mul_(float(np.float32(1) + np.float32(self.param.momentum))).sub_(prev, alpha=m)
 
     def compute_updates(self, idx, params, grads, local_rate):

@@ -11,7 +11,7 @@ import torch
 
 from .base import Solver, register, regularized_groups
 from .fused import FUSED_MIN, fused_sgd_matches, sgd_update
-from .graph_update import scaled_add_
+from .graph_update import scaled_add, scaled_add_
 
 
 @register("SGD")
@@ -20,7 +20,7 @@ class SGDSolver(Solver):
 
     def compute_update(self, i, param, grad, local_rate):
         h = self.history[i]
-        h.mul_(float(self.param.momentum)).add_(grad, alpha=local_rate)
+        scaled_add(h.mul_(float(self.param.momentum)), grad, local_rate)
         grad.copy_(h)
 
     def compute_updates(self, idx, params, grads, local_rate):

@@ -149,6 +149,14 @@ def _fold(gm, consts: list) -> None:
     gm.graph.eliminate_dead_code()
 
 
+def as_param_grad(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``g`` in the layout autograd gives a param's ``.grad`` (the param's strides): a
+    reduction over it (the clipping norm) then sums in the eager step's order."""
+    if g.stride() == p.stride():
+        return g
+    return torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device).copy_(g)
+
+
 def _written(op) -> list[int]:
     """The positions of the arguments op overload ``op`` writes into."""
     return [i for i, a in enumerate(op._schema.arguments)
@@ -444,9 +452,6 @@ class StepGraph:
             net.blobs[name].write(t)
         for p, g in zip(self.params, grads):
             if g is not None:
-                if g.stride() != p.stride():    # autograd gives .grad the param's layout
-                    g = torch.empty_strided(p.shape, p.stride(), dtype=g.dtype,
-                                            device=g.device).copy_(g)
-                p.grad = g
+                p.grad = as_param_grad(g, p)
         net._ran, net._fed = {}, {}
         return loss

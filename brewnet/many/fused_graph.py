@@ -1,0 +1,333 @@
+"""The fused step of K nets (forward, backward and every running net's update) as one recorded
+graph of aten ops; on CUDA that graph captured once more, so a step of all K is one replay.
+
+The step graph's idea (brewnet/solvers/step_graph.py) for ``FusedSolvers``: the data layer is
+read eagerly (its reader, transforms and position as in the eager step) and its tops are the
+graph's inputs; the stacked params and histories are inputs too, updated in place by the graph;
+every per-iteration number of the update is in ``scalars``, a (2, K) float32 tensor of each
+stack position's rate (the lr policy's, computed on the host as the eager update computes it)
+and Adam correction, and the clipping scales are computed on the device (``FusedSolvers._update``
+takes these tensors in place of its host values: the same code, the same kernels). The label
+range checks are recorded while tracing and run on the inputs before each replay.
+
+Recorded at the first iteration it is asked for (``BREWNET_STEP_GRAPH=1``) or, by default, at
+the second eager step when the run has ``step_graph.MIN_ITERS`` left and a step took under
+``step_graph.MAX_EAGER_S`` (on CUDA only when asked, until the GPU run has passed:
+``cuda_graph.DEFAULT_ON_CUDA``); that iteration runs the eager step (the reference), the
+recording, then the recorded graph's replay on the same state and inputs, and keeps the graph
+only if the replay gave the eager step's bits (losses, outputs, params, histories, gradients).
+A CUDA capture is checked likewise against the recorded graph's run. Keyed on the running nets,
+the stacked tensors (a ``drop`` restacks) and the solver fields baked in; refused with the
+reason at debug level: iter_size > 1, a layer type outside ``step_graph.PURE`` (Dropout draws
+random numbers), a device without CUDA graphs. A replay runs MKL on torch's thread count (the
+eager step's large batched products do; the check catches a count that would differ).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from .. import determinism
+from ..solvers import step_graph
+from ..solvers.step_graph import PURE, _fold, _same, as_param_grad, device_refusal, mode
+
+log = logging.getLogger("brewnet")
+f32 = np.float32
+
+
+def refusal(fs) -> str | None:
+    """Why ``fs``'s fused step cannot be recorded (None: it can)."""
+    if mode() == "0":
+        return "BREWNET_STEP_GRAPH=0"
+    if fs.solvers[0].param.iter_size != 1:
+        return "iter_size > 1"
+    why = device_refusal(fs.fused.nets[0].device, asked=mode() == "1")
+    if why:
+        return why
+    for layer in fs.fused.nets[0].layer_list:
+        if layer.exact_bottoms == 0:
+            continue
+        if layer.type not in PURE or not type(layer).__module__.startswith("brewnet.layers"):
+            return f"layer '{layer.name}' of type {layer.type}"
+    if not any(p.requires_grad for p in fs.fused.params):
+        return "no param to learn"
+    return None
+
+
+class FusedStepGraph:
+    """A ``FusedSolvers``' step as a recorded graph (see the module docstring). The loop calls
+    ``forward_backward(active, iters_left)``: None leaves the iteration to the eager step; else
+    (losses, outputs, first) as ``FusedSolvers._forward_backward`` gives them, and ``finish``
+    then does the update part (the recording, or the replay's log lines)."""
+
+    def __init__(self, fs):
+        self.fs, self.fused = fs, fs.fused
+        self.gm, self.key, self.captured = None, None, None
+        self.tries, self.eager_calls = 0, 0
+        self.checks: list[tuple] = []     # (layer, input index, k, ignore)
+        self._pending = None              # what finish() does: ("record", ...) or ("log", ...)
+        self._last_s = 1e9                # seconds the last iteration took
+
+    # -- what the graph reads ------------------------------------------------------------
+    def _sources(self) -> list[int]:
+        from .fused_layers import _is_source
+        return [i for i, layer in enumerate(self.fs.fused.nets[0].layer_list) if _is_source(layer)]
+
+    def _read(self) -> list[torch.Tensor]:
+        """The data layers' tops, read once as the eager step reads them."""
+        from .fused_layers import _share_position
+        fused, xs = self.fs.fused, []
+        for i in self._sources():
+            reader = fused.source.layer_list[i]
+            xs += reader.forward([])
+            _share_position(reader, [n.layer_list[i] for n in fused.nets if n is not fused.source])
+        return xs
+
+    @contextmanager
+    def _fed(self, xs):
+        """The data layers hand out ``xs`` instead of reading."""
+        fused, it, saved = self.fs.fused, iter(xs), {}
+        for i in self._sources():
+            reader = fused.source.layer_list[i]
+            tops = [next(it) for _ in fused.nets[0].top_lists[i]]
+            saved[i] = reader.__dict__.get("forward")
+            reader.forward = lambda bottoms, tops=tops: list(tops)
+        try:
+            yield
+        finally:
+            for i, f in saved.items():
+                reader = fused.source.layer_list[i]
+                if f is None:
+                    del reader.forward
+                else:
+                    reader.forward = f
+
+    def _state(self) -> list[torch.Tensor]:
+        """The tensors the step writes in place: the stacked params, then the histories."""
+        fs = self.fs
+        return [p.detach() for p in fs.fused.params] + [h for row in fs.history for h in row]
+
+    def current_key(self, active, xs) -> tuple:
+        fs = self.fs
+        fields = tuple((type(s), s.param.momentum, s.param.momentum2, s.param.delta,
+                        s.param.weight_decay, s.param.regularization_type,
+                        f32(s.param.clip_gradients), tuple(s.net.lr_mults), tuple(s.net.decay_mults))
+                       for s in fs.solvers)
+        return (tuple(active), tuple(fs.order), fs.exact, fields,
+                tuple(id(p) for p in fs.fused.params), tuple(id(h) for row in fs.history for h in row),
+                tuple((tuple(x.shape), x.dtype) for x in xs))
+
+    def _scalars(self, active) -> torch.Tensor:
+        """(2, K): each stack position's rate and Adam correction (1 elsewhere); the rates of the
+        running nets come from their lr policies (moving current_step, once per iteration)."""
+        from .fused import corrections
+        fs = self.fs
+        values = np.ones((2, len(fs.order)), np.float32)
+        run = [k for k in fs.order if k in active]
+        rates = fs._rates(run, log_now=False)
+        for k, r, c in zip(run, rates, corrections([fs.solvers[k] for k in run])):
+            values[:, fs.order.index(k)] = (r, c)
+        self.rates = dict(zip(run, rates))
+        return torch.from_numpy(values)
+
+    # -- the step --------------------------------------------------------------------------
+    def _step(self, active, *args):
+        """The recorded function: args = (*xs, *state, scalars)."""
+        fs = self.fs
+        n_x = len(args) - len(self._state()) - 1
+        xs, scalars = args[:n_x], args[-1]
+        with self._fed(xs):
+            total, losses, outputs = fs.fused.forward()
+        learn = [p for p in fs.fused.params if p.requires_grad]
+        got = iter(torch.autograd.grad(total, learn))
+        grads = [as_param_grad(next(got), p) if p.requires_grad else torch.zeros_like(p.detach())
+                 for p in fs.fused.params]
+        norms = fs._update(set(active), grads=grads, scalars=scalars)
+        flat = [t for name in fs.fused.nets[0].outputs for t in outputs[name]]
+        return (losses, *flat, *grads, *norms)
+
+    def _run(self, xs, scalars) -> tuple:
+        args = [*xs, *self._state(), scalars.to(xs[0].device if xs else scalars.device)]
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            with determinism.blas_on_torch_threads():
+                if self.captured is not None:
+                    return self.captured([*xs, args[-1]])
+                return self.gm.forward(*args)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
+
+    def _results(self, out):
+        """(losses, outputs, first, grads, norms) from the graph's outputs."""
+        fs = self.fs
+        k, names = len(fs.order), fs.fused.nets[0].outputs
+        values = [f32(x) for x in out[0].cpu().numpy()]
+        flat, i = out[1:1 + k * len(names)], 1 + k * len(names)
+        outputs = {n: list(flat[j * k:(j + 1) * k]) for j, n in enumerate(names)}
+        n = len(fs.fused.params)
+        return values, outputs, list(values), out[i:i + n], out[i + n:]
+
+    def forward_backward(self, active, iters_left: int):
+        """This iteration's (losses, outputs, first) with the graph (replayed: the update is
+        done too), or from the eager step on inputs read here when the graph is recorded at
+        ``finish``; None: the eager step does the iteration."""
+        fs = self.fs
+        self._pending = None
+        now = time.perf_counter()
+        self._last_s, self._t0 = now - getattr(self, "_t0", now - 1e9), now   # the last step
+        if self.gm is None and not self._worth(iters_left):
+            self.eager_calls += 1
+            return None
+        xs = self._read()
+        if self.gm is not None and self.current_key(active, xs) == self.key:
+            from ..layers.loss import check_labels
+            for layer, j, kk, ignore in self.checks:
+                check_labels(layer, xs[j], kk, ignore)
+            scalars = self._scalars(active)
+            values, outputs, first, grads, norms = self._results(self._run(xs, scalars))
+            for p, g in zip(fs.fused.params, grads):
+                p.grad = g if p.requires_grad else None
+            self._pending = ("log", active, norms)
+            fs._check_finite(values)
+            return values, outputs, first
+        self.gm, self.captured = None, None
+        if self.tries >= 3:
+            with self._fed(xs):
+                return fs._forward_backward()   # the eager step on what was read
+        before = [t.clone() for t in self._state()]
+        steps = [s.current_step for s in fs.solvers]
+        with self._fed(xs):
+            got = fs._forward_backward()
+        self._pending = ("record", active, xs, got, before, steps)
+        return got
+
+    def _worth(self, iters_left: int) -> bool:
+        if self.tries >= 3:
+            return False
+        if mode() == "1":
+            return True
+        return (iters_left >= step_graph.MIN_ITERS and self.eager_calls >= 2
+                and self._last_s < step_graph.MAX_EAGER_S)
+
+    def finish(self, active) -> bool:
+        """The update part of an iteration ``forward_backward`` took: the replay's lr and
+        clipping lines, or the eager update then the recording and its check. False: none
+        (the caller runs the eager update)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        fs = self.fs
+        if pending[0] == "log":
+            _, active, norms = pending
+            self._log(active, norms)
+            return True
+        _, active, xs, (values, outputs, _), before, steps = pending
+        fs._update(set(active))                          # the eager update: the reference
+        eager = [t.clone() for t in self._state()]
+        ref = (values, outputs, [p.grad for p in fs.fused.params])
+        self._record(active, xs, before, steps, eager, ref)
+        return True
+
+    def _log(self, active, norms) -> None:
+        """The eager update's lines, in its order: per group, each running net's rate, then
+        its clipping line."""
+        fs, norms = self.fs, list(norms)
+        for _, a, b in fs.groups:
+            run = [k for k in fs.order[a:b] if k in active]
+            for k in run:
+                fs._log_rate(k, self.rates[k])
+            clips = [f32(fs.solvers[k].param.clip_gradients) for k in run]
+            if run and any(c >= 0 for c in clips):
+                for k, c, nv in zip(run, clips, norms.pop(0).cpu().numpy()):
+                    fs.log_clipping(k, c, f32(nv))
+
+    def _record(self, active, xs, before, steps, eager, ref) -> None:
+        """Record the step on ``xs`` from the state ``before`` and keep it if its replay gives
+        the eager step's bits (``eager``: the state after; ``ref``: losses, outputs, grads)."""
+        from ..graph_record import RecordError, record, unbox
+        from ..solvers.step_graph import _deferred_label_checks
+
+        fs, state = self.fs, self._state()
+        self.tries += 1
+        t0 = time.perf_counter()
+
+        def reset():
+            with torch.no_grad():
+                for t, b in zip(state, before):
+                    t.copy_(b)
+            for s, c in zip(fs.solvers, steps):
+                s.current_step = c
+        reset()
+        scalars = self._scalars(active)
+        checks: list = []
+        same = False
+        try:
+            with _deferred_label_checks(checks):
+                gm = record(lambda *a: self._step(active, *a), [*xs, *state, scalars])
+            reset()
+            scalars = self._scalars(active)
+            self.checks = []
+            for layer, label, k, ignore in checks:
+                idx = [j for j, x in enumerate(xs) if x.data_ptr() == label.data_ptr()
+                       and x.numel() == label.numel()]
+                if not idx:
+                    raise RecordError(f"layer '{layer.name}' checks labels computed inside the net")
+                if not any(c[1:] == (idx[0], k, ignore) for c in self.checks):
+                    self.checks.append((layer, idx[0], k, ignore))
+            consts = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+            _fold(gm, consts)
+            gm.recompile()
+            unbox(gm)
+            self.gm = gm
+            if xs and xs[0].is_cuda:
+                self._capture(xs, scalars, state)
+            out = self._results(self._run(xs, scalars))
+            same = (all(_same(a, b) for a, b in zip(state, eager))
+                    and np.array_equal(out[0], ref[0], equal_nan=True)
+                    and all(_same(x, y) for n in ref[1] for x, y in zip(out[1][n], ref[1][n]))
+                    and all(g is None or _same(x, g) for x, g in zip(out[3], ref[2])))
+        except (RecordError, RuntimeError) as e:
+            log.debug("fused step graph: recording failed: %s: %s", type(e).__name__, e)
+        if not same:
+            if self.gm is not None:
+                log.warning("fused step graph: the recorded step differs from the eager one; "
+                            "the fused nets keep the eager step")
+            with torch.no_grad():
+                for t, e in zip(state, eager):
+                    t.copy_(e)
+            for p, g in zip(fs.fused.params, ref[2]):
+                p.grad = g
+            self.gm, self.captured, self.tries = None, None, 3
+            return
+        self.key = self.current_key(active, xs)
+        log.info("Fused nets: forward, backward and update of %d nets replayed as one %s (%d ops, "
+                 "recorded in %.2g s)", len(active), "CUDA graph" if self.captured else "recorded graph",
+                 sum(n.op == "call_function" for n in gm.graph.nodes), time.perf_counter() - t0)
+
+    def _capture(self, xs, scalars, state) -> None:
+        """The recorded graph captured as a CUDA graph, its first replay checked against the
+        recorded graph's run on the same state (which the caller then checks against eager)."""
+        from ..solvers.cuda_graph import CapturedGraph
+
+        before = [t.clone() for t in state]
+        ref = [t.clone() for t in self._run(xs, scalars)]
+        ref_state = [t.clone() for t in state]
+        with torch.no_grad():
+            for t, b in zip(state, before):
+                t.copy_(b)
+        n_x, gm = len(xs), self.gm
+        self.captured = CapturedGraph(lambda *a: gm.forward(*a[:n_x], *state, a[-1]),
+                                      [*xs, scalars.to(xs[0].device)], state=state)
+        got = self.captured([*xs, scalars.to(xs[0].device)])
+        if not (all(_same(a, b) for a, b in zip(got, ref)) and
+                all(_same(a, b) for a, b in zip(state, ref_state))):
+            self.captured = None
+            raise RuntimeError("the CUDA graph's replay differs from the recorded graph's run")
+        with torch.no_grad():
+            for t, b in zip(state, before):
+                t.copy_(b)
