@@ -201,6 +201,55 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def worker_pids(url: str, n: int, within: float, pid_of) -> set:
+    """The pids of the workers answering ``url``, until ``n`` answered or ``within`` s passed."""
+    pids, deadline = set(), time.monotonic() + within
+    while len(pids) < n and time.monotonic() < deadline:
+        try:
+            pids.add(pid_of(httpx.get(url, timeout=1)))
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    return pids
+
+
+# An app whose factory holds the GIL for 8 s (a C call through PyDLL), as importing torch does
+# for seconds on a loaded machine: meanwhile the worker cannot answer the supervisor's pings.
+SLOW_APP = """import ctypes, os
+
+def make():
+    ctypes.PyDLL(None).sleep(8)
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                m = await receive()
+                kind = m["type"].split(".")[-1]
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": str(os.getpid()).encode()})
+    return app
+"""
+
+
+def test_a_worker_slow_to_start_is_not_killed_by_the_supervisor(tmp_path):
+    # one worker: the supervisor pings it every 0.5 s, so some ping meets the whole 8 s hold
+    (tmp_path / "slow_app.py").write_text(SLOW_APP)
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    code = ("from brewnet.tools.serving.server import serve_workers; "
+            f"serve_workers('slow_app:make', 1, '127.0.0.1', {port}, False)")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = worker_pids(f"http://127.0.0.1:{port}/", 1, 120, lambda r: int(r.text))
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=60)[1]
+    assert len(pids) == 1, err[-2000:]
+    assert "died" not in err, err[-2000:]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's /proc and PR_SET_PDEATHSIG")
 def test_workers_stop_when_the_parent_is_killed(tmp_path):
     """SIGKILL to the parent (no chance to stop its workers): the workers drain and exit rather
@@ -214,15 +263,12 @@ def test_workers_stop_when_the_parent_is_killed(tmp_path):
                             env=env, stderr=subprocess.DEVNULL)
     # 300 s: each worker imports torch and loads the net; on a 2-core machine at load 8 the
     # second one took over 120 s (only the time to start is bounded, nothing is measured)
-    url, pids, deadline = f"http://127.0.0.1:{port}", set(), time.monotonic() + 300
-    while len(pids) < 2 and time.monotonic() < deadline:
-        try:
-            pids.add(httpx.get(url + "/healthz", timeout=1).json()["pid"])
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    assert len(pids) == 2 and pids <= set(children(proc.pid)), pids
-    proc.kill()
-    proc.wait()
+    try:
+        pids = worker_pids(f"http://127.0.0.1:{port}/healthz", 2, 300, lambda r: r.json()["pid"])
+        assert len(pids) == 2 and pids <= set(children(proc.pid)), pids
+    finally:
+        proc.kill()
+        proc.wait()
     deadline = time.monotonic() + 30
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -27,6 +27,10 @@ log = logging.getLogger("brewnet")
 REUSE_PORT = hasattr(socket, "SO_REUSEPORT")
 DRAIN_S = 0.25      # quiet time, after closing the listener, before closing idle connections
 MAX_DRAIN_S = 10.0
+# uvicorn's supervisor pings each worker and kills one that does not answer within 5 s (its
+# default); a worker importing torch holds the GIL for seconds, and on a loaded machine it never
+# answered in time: killed and restarted over and over, it never served (seen in a CI run)
+HEALTHCHECK_S = 120
 
 
 class DrainingServer(uvicorn.Server):
@@ -103,7 +107,8 @@ def serve_workers(factory: str, workers: int, host: str, port: int, access_log: 
         probe.listen(2048)
         probe.set_inheritable(True)
         sockets = [probe]
-    config = _config(factory, host, port, access_log, factory=True, workers=workers)
+    config = _config(factory, host, port, access_log, factory=True, workers=workers,
+                     timeout_worker_healthcheck=HEALTHCHECK_S)
     log.info("Serving on http://%s:%d with %d workers (%s)", host, port, workers,
              "a socket each, SO_REUSEPORT" if REUSE_PORT else "one shared socket")
     # the supervisor makes (and remakes) its workers through this module-level name
