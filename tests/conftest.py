@@ -4,6 +4,11 @@ tests on ``cuda:0`` and skips the rest, each with one reason.
 With the switch on, brewnet's default device (pycaffe's mode, ``runtime.set_default_device``)
 is ``cuda:0`` for the whole session, so every Net and Solver a test builds without naming a
 device lands there, and TF32 is off (``runtime.configure``: Caffe computes in IEEE float32).
+CUDA's kernels are held to their deterministic forms (``torch.use_deterministic_algorithms``,
+warn-only; cuBLAS's fixed workspace): the tests that compare two runs on one device bit for bit
+(together or fused against alone, a graph against the eager step, a resumed run) need the same
+run to give the same bits twice, which atomics in cuDNN's and scatter's backward do not.
+Subprocesses a test starts (servers, data-parallel workers) get the device from their flags.
 Tests that build layers, tensors or feeds themselves use ``helpers.DEVICE``; the float32
 tolerances a GPU needs beyond the CPU's are in ``helpers.DEVICE_TOLERANCES`` with the reason per
 kind. Without CUDA the switch stops the run with one line: a run that silently stayed on the CPU
@@ -35,6 +40,10 @@ DEVICE_MODULES = {
     "test_serve.py": "brewnet serve",
     "test_video.py": "video inference",
     "test_gpu.py": "the device switch and the CUDA graphs themselves",
+    "test_graph_update.py": "the recorded update (one CUDA graph with the step there) against "
+                            "the eager update",
+    "test_fusion.py": "inference folding of Convolution/BatchNorm/Scale",
+    "test_pycaffe_extras.py": "pycaffe beyond the Net basics (Python layers, NetSpec, forward_all)",
 }
 NOT_DEVICE = ("not a device parity test (tests/conftest.py DEVICE_MODULES lists those); "
               "it tests CPU-side behaviour")
@@ -66,6 +75,7 @@ def pytest_configure(config):
     why = cuda_missing()
     if why:
         raise pytest.UsageError(f"{SWITCH}=cuda: {why}; nothing was run (unset it for the CPU)")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS starts
     from brewnet import runtime
 
     runtime.set_default_device(True, 0)
@@ -73,6 +83,7 @@ def pytest_configure(config):
     import torch
 
     torch.backends.cudnn.benchmark = False      # no timed algorithm choice: the same run twice
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def pytest_report_header(config):

@@ -17,6 +17,7 @@ from brewnet.many.fused import FusedSolvers, FuseError, as_dtype
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import parse_text, read_binary
 from brewnet.solvers import SOLVERS
+from helpers import DEVICE, ON_DEVICE
 
 LENET = Path(__file__).resolve().parents[1] / "examples/mnist/lenet_train_test.prototxt"
 # Fused vs alone, as max|fused - alone| / max|alone| per param blob. In float64 the fused
@@ -29,6 +30,11 @@ LENET = Path(__file__).resolve().parents[1] / "examples/mnist/lenet_train_test.p
 # started one ulp away, parts by as much (up to 3e-3). F32_TOL bounds that.
 F64_TOL = 1e-10
 F32_TOL = 2e-2
+# The exact formulation on a GPU (BREWNET_TEST_DEVICE=cuda): each net's own kernels as on the
+# CPU, but the wide loss's reductions over (K, N) may be blocked otherwise than over one net's
+# (N,) by CUDA's reduction kernels; 30 steps carry a last-bit difference to ~1e-6 (the CPU
+# measured 5e-7 for 1-ulp starts after 10 steps).
+EXACT_ON_DEVICE = 1e-4
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -77,7 +83,7 @@ def solver(d, k, **fields):
 
 
 def _alone(p):
-    s = SOLVERS[p.type](p, device="cpu")
+    s = SOLVERS[p.type](p, device=DEVICE)
     s.solve()
     return s
 
@@ -101,7 +107,7 @@ def test_four_lenets_fused_equal_each_alone(lenet, kind):
     extra = {"type": kind} if kind == "SGD" else {"type": kind, "momentum2": 0.999, "lr_policy": "fixed"}
     rates = [0.01, 0.02, 0.005, 0.03] if kind == "SGD" else [0.001, 0.002, 0.0005, 0.003]
     params = [solver(lenet, k, base_lr=r, **extra) for k, r in enumerate(rates)]
-    fs = FusedSolvers(params, device="cpu")
+    fs = FusedSolvers(params, device=DEVICE)
     fs.solve()
     alone = [_alone(p) for p in params]
     got = []
@@ -125,12 +131,12 @@ def test_mixed_solver_types_max_iters_and_clipping_in_float64(lenet):
                      regularization_type="L1")]
     for p in params:
         p.test_interval = 4
-    fs = FusedSolvers(params, device="cpu", dtype=torch.float64)
+    fs = FusedSolvers(params, device=DEVICE, dtype=torch.float64)
     assert [k for k in fs.order] == [0, 2, 1, 3]
     fs.solve()
     got = []
     for f, p in zip(fs.solvers, params):
-        a = SOLVERS[p.type](p, device="cpu")
+        a = SOLVERS[p.type](p, device=DEVICE)
         as_dtype(a, torch.float64)
         a.solve()
         assert f.iter == a.iter == p.max_iter
@@ -145,10 +151,13 @@ def test_exact_fused_members_are_bitwise_each_alone(lenet, kind):
     extra = {"type": kind} if kind != "Adam" else {"type": kind, "momentum2": 0.999, "lr_policy": "fixed"}
     rates = [0.01, 0.02, 0.005] if kind == "SGD" else [0.001, 0.002, 0.0005]
     params = [solver(lenet, k, base_lr=r, max_iter=30, **extra) for k, r in enumerate(rates)]
-    fs = FusedSolvers(params, device="cpu", exact=True)
+    fs = FusedSolvers(params, device=DEVICE, exact=True)
     fs.solve()
     for f, p in zip(fs.solvers, params):
         a = _alone(p)
+        if ON_DEVICE:     # the stacked loss reduces (K, N) where alone reduces (N,): CUDA's
+            assert _diff(f, a) <= EXACT_ON_DEVICE     # kernels may sum another way round
+            continue
         for x, y in zip(f.net.learnable, a.net.learnable):
             assert torch.equal(x, y)
         assert f.test_scores[0] == a.test_scores[0]
@@ -172,12 +181,12 @@ def test_wide_fused_drift_within_the_contract_on_real_mnist():
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ps = fd.params(fd.prepare(work), work, 4, 1)
-        fs = FusedSolvers(ps, device="cpu")
+        fs = FusedSolvers(ps, device=DEVICE)
         fs.step(50)
         for k, p in enumerate(ps):
-            alone = SOLVERS[p.type](p, device="cpu")
+            alone = SOLVERS[p.type](p, device=DEVICE)
             alone.step(50)
-            shifted = SOLVERS[p.type](p, device="cpu")
+            shifted = SOLVERS[p.type](p, device=DEVICE)
             with torch.no_grad():
                 for t in shifted.net.learnable:
                     t.copy_(torch.nextafter(t, torch.full_like(t, float("inf"))))
@@ -191,7 +200,7 @@ def test_wide_fused_drift_within_the_contract_on_real_mnist():
 def test_log_lines_carry_the_net_prefix(lenet, caplog):
     params = [solver(lenet, k, max_iter=30, test_interval=30) for k in range(2)]
     with caplog.at_level(logging.INFO, logger="brewnet"):
-        FusedSolvers(params, device="cpu").solve()
+        FusedSolvers(params, device=DEVICE).solve()
     lines = [r.getMessage() for r in caplog.records]
     for k in range(2):
         mine = [m for m in lines if m.startswith(f"[s{k}] ")]
@@ -204,7 +213,7 @@ def test_one_data_stream_feeds_all_nets(lenet):
     params = [solver(lenet, k, test_interval=0) for k in range(3)]
     for p in params:
         del p.test_iter[:]
-    fs = FusedSolvers(params, device="cpu")
+    fs = FusedSolvers(params, device=DEVICE)
     fs.step(3)
     readers = [s.net.layer_list[0] for s in fs.solvers]
     assert readers[0].prefetcher.batches == 3                 # batches taken by the fused net
@@ -215,7 +224,7 @@ def test_snapshots_named_and_formatted_as_alone(lenet, tmp_path):
     params = [solver(lenet, k, max_iter=20, snapshot=10) for k in range(2)]
     for k, p in enumerate(params):
         p.snapshot_prefix = str(tmp_path / f"fused{k}")
-    fs = FusedSolvers(params, device="cpu")
+    fs = FusedSolvers(params, device=DEVICE)
     fs.solve()
     alone = solver(lenet, 1, max_iter=20, snapshot=10, snapshot_prefix=str(tmp_path / "alone1"))
     a = _alone(alone)
@@ -241,7 +250,7 @@ def test_snapshots_named_and_formatted_as_alone(lenet, tmp_path):
         assert (tmp_path / f"fused1_iter_{it}.solverstate.cursors.json").read_bytes() == \
             (tmp_path / f"alone1_iter_{it}.solverstate.cursors.json").read_bytes()
     # The fused net's file loads into a fresh net and equals the fused params.
-    fresh = SOLVERS["SGD"](params[1], device="cpu")
+    fresh = SOLVERS["SGD"](params[1], device=DEVICE)
     fresh.net.copy_from(tmp_path / "fused1_iter_20.caffemodel")
     for x, y in zip(fresh.net.learnable, fs.solvers[1].net.learnable):
         assert torch.equal(x.detach(), y.detach())
@@ -254,42 +263,60 @@ def test_different_architectures_name_the_first_layer(lenet, tmp_path):
     params = [solver(lenet, 0), solver(lenet, 1, net=str(tmp_path / "wide.prototxt"))]
     with pytest.raises(FuseError, match=r"layer #\d+ 'conv2' \(type Convolution\) differs in "
                                         r"convolution_param\.num_output \(50 vs 40\)"):
-        FusedSolvers(params, device="cpu")
+        FusedSolvers(params, device=DEVICE)
     # Fillers may differ (what a sweep varies): this fuses.
     xav = (lenet / "lenet.prototxt").read_text().replace('type: "xavier"', 'type: "gaussian" std: 0.1', 1)
     (tmp_path / "gauss.prototxt").write_text(xav)
-    FusedSolvers([solver(lenet, 0), solver(lenet, 1, net=str(tmp_path / "gauss.prototxt"))], device="cpu")
+    FusedSolvers([solver(lenet, 0), solver(lenet, 1, net=str(tmp_path / "gauss.prototxt"))], device=DEVICE)
 
 
 def test_unfusable_layer_and_solver_named(lenet, tmp_path):
     text = (lenet / "lenet.prototxt").read_text().replace('type: "ReLU"', 'type: "ELU"')
     (tmp_path / "elu.prototxt").write_text(text)
     with pytest.raises(FuseError, match=r"layer 'relu1' of type ELU has no fused form"):
-        FusedSolvers([solver(lenet, 0, net=str(tmp_path / "elu.prototxt"))] * 2, device="cpu")
+        FusedSolvers([solver(lenet, 0, net=str(tmp_path / "elu.prototxt"))] * 2, device=DEVICE)
     with pytest.raises(FuseError, match=r"solver 1: type 'AdaDelta' has no fused update"):
-        FusedSolvers([solver(lenet, 0), solver(lenet, 1, type="AdaDelta")], device="cpu")
+        FusedSolvers([solver(lenet, 0), solver(lenet, 1, type="AdaDelta")], device=DEVICE)
     with pytest.raises(FuseError, match="iter_size"):
-        FusedSolvers([solver(lenet, 0), solver(lenet, 1, iter_size=2)], device="cpu")
+        FusedSolvers([solver(lenet, 0), solver(lenet, 1, iter_size=2)], device=DEVICE)
     assert issubclass(FuseError, ValueError)      # the CLI reports it as a user error
 
 
-@pytest.mark.parametrize("exact", [False, True])
-def test_recorded_fused_step_equals_the_eager_fused_step_bitwise(lenet, monkeypatch, caplog, exact):
+NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False here)"
+
+
+@pytest.mark.parametrize("exact, backend", [
+    (False, "cpu"), (True, "cpu"), (False, "cuda-logic"),
+    *[pytest.param(e, "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA))
+      for e in (False, True)]])
+def test_recorded_fused_step_equals_the_eager_fused_step_bitwise(lenet, monkeypatch, caplog, exact,
+                                                                 backend):
     """The fused step of K nets as one recorded graph (brewnet/many/fused_graph.py: forward,
     backward and the updates of SGD, Nesterov and Adam nets, one clipping, one L1) replayed
     with rates that change every iteration: every param, history, loss and log line is the
-    eager fused step's (which the tests above compare with each net alone)."""
+    eager fused step's (which the tests above compare with each net alone). Backends: the CPU's
+    recorded graph; its CUDA capture's logic on the CPU (StaticMemory for the CUDA graph); a
+    GPU."""
+    from brewnet.many import fused_graph
+    from brewnet.solvers import cuda_graph
+    from test_step_graph import StaticMemory
+
+    device = "cuda:0" if backend == "cuda" else "cpu"
+    if backend == "cuda-logic":
+        monkeypatch.setattr(cuda_graph, "CapturedGraph", StaticMemory)
+        monkeypatch.setattr(fused_graph.FusedStepGraph, "_captures", lambda self, xs: True)
+
     def run(mode):
         monkeypatch.setenv("BREWNET_STEP_GRAPH", mode)
-        params = [solver(lenet, 0, type="Adam", base_lr=0.001, momentum2=0.999, max_iter=10),
+        params = [solver(lenet, 0, type="Adam", base_lr=0.001, momentum2=0.999, max_iter=6),
                   solver(lenet, 1, type="SGD", clip_gradients=0.1, regularization_type="L1"),
                   solver(lenet, 2, type="Nesterov", lr_policy="step", stepsize=3, gamma=0.5),
                   solver(lenet, 3, type="SGD", base_lr=0.02)]
         for p in params:
-            p.display, p.test_interval, p.max_iter = 4, 50, min(p.max_iter, 12)
+            p.display, p.test_interval, p.max_iter = 2, 50, min(p.max_iter, 8)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="brewnet"):
-            fs = FusedSolvers(params, device="cpu", exact=exact)
+            fs = FusedSolvers(params, device=device, exact=exact)
             fs.solve()
         lines = [re.sub(r" \(.* iter/s, .*\)", "", r.getMessage()) for r in caplog.records
                  if "Iteration" in r.getMessage() or "clipping" in r.getMessage()]
@@ -298,6 +325,7 @@ def test_recorded_fused_step_equals_the_eager_fused_step_bitwise(lenet, monkeypa
     graph, g_lines = run("1")
     g = graph._graph
     assert getattr(eager, "_graph", None) is None and g.gm is not None and g.tries == 2
+    assert (g.captured is not None) == (backend != "cpu")
     assert e_lines == g_lines and any("clipping" in ln for ln in g_lines)
     for a, b in zip(eager.solvers, graph.solvers):
         assert a.iter == b.iter and a.smoothed_loss == b.smoothed_loss

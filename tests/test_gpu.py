@@ -65,6 +65,81 @@ def test_the_switch_skips_the_cpu_tests_with_one_reason(tmp_path):
                          for ln in skips)
 
 
+# What the switch selects in the files that pin no device of their own (the CPU's by default):
+# per file, the tests skipped there and the reason's start; every other test runs on cuda:0.
+SWITCHED = {
+    "test_parallel.py": ({"test_workers_equal_one_process_on_the_combined_batch",
+                          "test_brewnet_train_workers_and_torchrun",
+                          "test_a_killed_worker_stops_the_others_naming_it",
+                          "test_resume_auto_after_a_kill_ends_bitwise_as_the_uninterrupted_run",
+                          "test_pycaffe_train_py_flow",
+                          "test_a_rendezvous_that_never_completes_stops_in_bounded_time",
+                          "test_a_hung_worker_stops_the_others_within_the_timeout"},
+                         "CPU only: several workers on one GPU"),
+    "test_fused.py": (set(), ""),
+    "test_fusion.py": (set(), ""),
+    "test_together.py": ({"test_worker_count_by_net_size"},
+                         "CPU only: the worker-thread count follows the CPU's cores"),
+    "test_serve.py": (set(), ""),
+    "test_lean.py": ({"test_lean_inference_default_and_override",
+                      "test_lean_forward_matches_and_keeps_blob_semantics",
+                      "test_nhwc_weights_are_bit_identical_and_follow_surgery"}, "CPU only: "),
+    "test_models.py": (set(), ""),
+    "test_pycaffe.py": (set(), ""),
+    "test_pycaffe_extras.py": (set(), ""),
+}
+# Appended to FAKE_CUDA: after conftest has marked the items, write what would run or skip and
+# why, and run nothing.
+COLLECTION_REPORT = """
+import json, os, pytest
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    import helpers
+    out = {"device": str(helpers.DEVICE), "items": []}
+    for item in items:
+        why = next((m.kwargs.get("reason") or (m.args[0] if m.args else "")
+                    for m in item.iter_markers("skip")), None)
+        if why is None:
+            why = next((m.kwargs.get("reason") for m in item.iter_markers("skipif")
+                        if m.args and m.args[0]), None)
+        out["items"].append([item.path.name, item.originalname, why])
+    with open(os.environ["FAKE_CUDA_REPORT"], "w") as f:
+        json.dump(out, f)
+    items[:] = []
+"""
+
+
+@pytest.mark.skipif(ON_DEVICE, reason="collects pytest itself under a pretended CUDA")
+def test_the_switch_runs_or_skips_each_file_with_one_reason(tmp_path, monkeypatch):
+    """The switch over the files whose tests once pinned the CPU: collected under a pretended
+    CUDA (nothing runs), each test either runs (on cuda:0: helpers.DEVICE) or skips with its
+    file's one reason; a file outside conftest.DEVICE_MODULES skips whole."""
+    import json
+
+    from conftest import DEVICE_MODULES, NOT_DEVICE
+
+    report = tmp_path / "report.json"
+    monkeypatch.setenv("FAKE_CUDA_REPORT", str(report))
+    files = [f"tests/{f}" for f in SWITCHED] + ["tests/test_fillers.py"]
+    r = pytest_run(["--collect-only", *files], tmp_path, plugin=FAKE_CUDA + COLLECTION_REPORT)
+    assert r.returncode in (0, 5), r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(report.read_text())
+    assert got["device"] == "cuda:0"
+    by_file: dict = {}
+    for name, test, why in got["items"]:
+        by_file.setdefault(name, []).append((test, why))
+    assert all(why == NOT_DEVICE for _, why in by_file.pop("test_fillers.py"))
+    for name, (skipped, reason) in SWITCHED.items():
+        assert name in DEVICE_MODULES
+        if name == "test_models.py" and name not in by_file:     # no shared data: skipped whole
+            continue
+        tests = by_file[name]
+        assert {t for t, why in tests if why} == skipped, name
+        assert all(why.startswith(reason) for t, why in tests if why), name
+        assert any(why is None for _, why in tests), name
+
+
 @pytest.mark.skipif(not ON_DEVICE, reason="checks the session the switch set up")
 def test_the_switch_sets_the_session_up():
     from brewnet import runtime

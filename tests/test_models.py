@@ -8,7 +8,7 @@ import pytest
 
 import brewnet as caffe
 from brewnet.data.idx import read_idx
-from helpers import GOLDEN, MODELS, need
+from helpers import GOLDEN, MODELS, need, tol
 
 LENET = np.load(need(GOLDEN / "models" / "lenet_mnist.npz"), allow_pickle=False)  # else: skip the module
 LENET_META = json.loads(str(LENET["meta"]))
@@ -29,8 +29,8 @@ def test_lenet_matches_caffe(model, mnist_test):
     images, labels = mnist_test
     np.testing.assert_array_equal(images[:256], LENET["input"])
     out = net.forward(data=LENET["input"])
-    np.testing.assert_allclose(net.blobs["ip2"].data, LENET[f"{model}/ip2"], rtol=0, atol=1e-4)
-    np.testing.assert_allclose(out["prob"], LENET[f"{model}/prob"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(net.blobs["ip2"].data, LENET[f"{model}/ip2"], **tol("blas", 0, 1e-4))
+    np.testing.assert_allclose(out["prob"], LENET[f"{model}/prob"], **tol("blas", 0, 1e-5))
     preds = []
     for i in range(0, len(images), 500):
         preds.append(net.forward(data=images[i:i + 500])["prob"].argmax(1))
@@ -52,4 +52,5 @@ def test_open_nsfw_matches_caffe():
             net.forward(end=name)
             ref = z[f"{image}/{name}"]
             atol = 1e-5 if name == "prob" else 1e-4 * np.abs(ref).max()
-            np.testing.assert_allclose(net.blobs[name].data, ref, rtol=0, atol=atol, err_msg=f"{image}/{name}")
+            np.testing.assert_allclose(net.blobs[name].data, ref, **tol("blas", 0, atol),
+                                       err_msg=f"{image}/{name}")

@@ -33,6 +33,7 @@ from brewnet.data.transform import chw_to_datum
 from brewnet.parallel.launch import free_port, host_store
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import read_binary
+from helpers import ON_DEVICE
 
 RECORDS, B, TOL = 60, 4, 2e-5
 REPO = Path(__file__).resolve().parents[1]
@@ -58,6 +59,12 @@ layer {{ name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
   inner_product_param {{ num_output: 10 weight_filler {{ type: "xavier" }} }} }}
 layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }}
 """
+# Under the device switch the solvers train on cuda:0. Several workers need several devices:
+# NCCL (brewnet's backend on CUDA) refuses two ranks on one GPU, and a worker forked from this
+# process cannot start CUDA again; there the group of one worker runs instead.
+MODE = "solver_mode: GPU device_id: 0" if ON_DEVICE else "solver_mode: CPU"
+MANY_WORKERS = ("several workers on one GPU: NCCL refuses two ranks on one device (the group of "
+                "one worker on the device runs instead)")
 RULES = {"SGD": 'type: "SGD" base_lr: 0.01 momentum: 0.9',
          "Adam": 'type: "Adam" base_lr: 0.001 momentum: 0.9 momentum2: 0.999'}
 
@@ -81,7 +88,7 @@ def solver(folder: Path, db: Path, name: str, batch: int, rule="SGD", max_iter=3
     path = folder / f"{name}_solver.prototxt"
     path.write_text(f'net: "{name}_net.prototxt" {RULES[rule]} weight_decay: 0.0005 lr_policy: "fixed" '
                     f'display: {display} max_iter: {max_iter} {snap} snapshot_prefix: "{folder / name}" '
-                    'solver_mode: CPU random_seed: 1701\n')
+                    f'{MODE} random_seed: 1701\n')
     return path
 
 
@@ -143,6 +150,7 @@ def beat(store, rank) -> int:
     return int(store.get(key).decode().split()[1]) if store.check([key]) else -1
 
 
+@pytest.mark.cpu_only(MANY_WORKERS)
 @pytest.mark.parametrize("n,rule", [(2, "SGD"), (3, "SGD"), (2, "Adam")])
 def test_workers_equal_one_process_on_the_combined_batch(db, tmp_path, n, rule):
     ref = one_process(solver(tmp_path, db, "one", n * B, rule, snapshot=30))
@@ -171,6 +179,7 @@ def weights_at_start(tmp_path, db, rule) -> dict:
     return weights(tmp_path / "start" / "s_iter_0.caffemodel")
 
 
+@pytest.mark.cpu_only(MANY_WORKERS)
 def test_brewnet_train_workers_and_torchrun(db, tmp_path):
     ref = one_process(solver(tmp_path, db, "one", 2 * B, snapshot=30))
     par = solver(tmp_path, db, "par", B, snapshot=30)
@@ -198,6 +207,7 @@ def _kill_rank1_after(iteration=0, file=None):
     return during
 
 
+@pytest.mark.cpu_only(MANY_WORKERS)
 def test_a_killed_worker_stops_the_others_naming_it(db, tmp_path):
     path = solver(tmp_path, db, "k", B, max_iter=100000)
     timeout = 20
@@ -210,6 +220,7 @@ def test_a_killed_worker_stops_the_others_naming_it(db, tmp_path):
     assert time.monotonic() - kill.killed_at < timeout
 
 
+@pytest.mark.cpu_only(MANY_WORKERS)
 def test_resume_auto_after_a_kill_ends_bitwise_as_the_uninterrupted_run(db, tmp_path):
     args = dict(max_iter=120, snapshot=10, display=0)
     whole = solver(tmp_path / "whole", db, "w", B, **args)
@@ -284,6 +295,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.cpu_only(MANY_WORKERS)
 def test_pycaffe_train_py_flow(db, tmp_path):
     ref = one_process(solver(tmp_path, db, "one", 2 * B, snapshot=30))
     (tmp_path / "train.py").write_text(textwrap.dedent(TRAIN_PY))
@@ -293,6 +305,21 @@ def test_pycaffe_train_py_flow(db, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Using devices [0, 1]" in r.stderr
     assert max_diff(weights(out), ref) <= TOL
+
+
+def test_a_group_of_one_worker_equals_one_process(db, tmp_path):
+    """One worker of a data-parallel group (torchrun, its collectives on NCCL on cuda:0 under
+    the device switch, gloo on the CPU) trains as one process does: the all-reduce over one
+    rank and the 1/N scale change nothing."""
+    ref = one_process(solver(tmp_path, db, "one", B, snapshot=30))
+    run = solver(tmp_path, db, "run", B, snapshot=30)
+    gpu = ["--gpu", "0"] if ON_DEVICE else []
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "1", "-m", "brewnet.cli", "train", "--solver", str(run),
+                        *gpu], env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("(nccl)" if ON_DEVICE else "(gloo)") in r.stderr
+    assert max_diff(weights(tmp_path / "run_iter_30.caffemodel"), ref) <= TOL
 
 
 def test_has_nccl_only_with_cuda_and_nccl(monkeypatch):
@@ -320,6 +347,7 @@ def test_bad_input(db, tmp_path, capsys, monkeypatch):
     assert "for GPUs give their ids with --gpu" in fails("--gpu", "0,1", "--workers", "2")
 
 
+@pytest.mark.cpu_only(MANY_WORKERS)
 def test_a_rendezvous_that_never_completes_stops_in_bounded_time(db, tmp_path):
     path = solver(tmp_path, db, "rv", B)
     t0 = time.monotonic()
@@ -358,6 +386,7 @@ def test_a_shard_takes_the_running_indices_of_its_rank(tmp_path, kind):
     assert got[pb.TEST] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]      # Caffe tests on rank 0 unsharded
 
 
+@pytest.mark.cpu_only(MANY_WORKERS)
 def test_a_hung_worker_stops_the_others_within_the_timeout(db, tmp_path):
     # SIGSTOP freezes rank 1 (its heartbeat thread too): rank 0's allreduce times out after
     # --timeout and the stale heartbeat names rank 1.

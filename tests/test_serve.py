@@ -20,9 +20,10 @@ pytest.importorskip("uvicorn")
 from PIL import Image  # noqa: E402
 
 from brewnet.net import Net  # noqa: E402
-from helpers import MODELS  # noqa: E402
+from helpers import MODELS, ON_DEVICE  # noqa: E402
 
 LENET = MODELS / "bvlc/examples/mnist/lenet.prototxt"
+GPU = ["--gpu", "0"] if ON_DEVICE else []    # the device switch: the server's workers on cuda:0
 
 
 def free_port() -> int:
@@ -52,7 +53,7 @@ def server(tmp_path_factory, request):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-m", "brewnet.cli", "serve", "--model", str(LENET),
                              "--weights", str(weights), "--port", str(port), "--max-batch", "8",
-                             "--max-delay-ms", "5", "--workers", str(request.param)],
+                             "--max-delay-ms", "5", "--workers", str(request.param), *GPU],
                             env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
@@ -259,7 +260,7 @@ def test_workers_stop_when_the_parent_is_killed(tmp_path):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-m", "brewnet.cli", "serve", "--model", str(LENET),
-                             "--weights", str(weights), "--port", str(port), "--workers", "2"],
+                             "--weights", str(weights), "--port", str(port), "--workers", "2", *GPU],
                             env=env, stderr=subprocess.DEVNULL)
     # 300 s: each worker imports torch and loads the net; on a 2-core machine at load 8 the
     # second one took over 120 s (only the time to start is bounded, nothing is measured)
@@ -286,7 +287,7 @@ def test_bad_worker_flags_and_a_taken_port(tmp_path):
 
     def serve(*extra):
         return subprocess.run([sys.executable, "-m", "brewnet.cli", "serve", "--model", str(LENET),
-                               "--weights", str(weights), *extra], env=env, capture_output=True,
+                               "--weights", str(weights), *GPU, *extra], env=env, capture_output=True,
                               text=True, timeout=300)
     r = serve("--workers", "0")
     assert r.returncode == 1 and "--workers must be at least 1" in r.stderr, r.stderr

@@ -12,7 +12,7 @@ from brewnet.cli import main
 from brewnet.data import db
 from brewnet.many import TrainTogether
 from brewnet.solvers import get_solver
-from helpers import random_digits_lmdb
+from helpers import ON_DEVICE, random_digits_lmdb
 
 NET = """name: "small"
 layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TRAIN }}
@@ -49,6 +49,11 @@ SOLVERS = {   # SGD/step, Adam/fixed, Nesterov/inv: own seeds, schedules and sna
 }
 
 
+# the solvers' device: the CPU, or cuda:0 under the device switch (the same runs compared bit for
+# bit there: together against alone on one GPU, tests/conftest.py's deterministic kernels)
+MODE = "solver_mode: GPU device_id: 0" if ON_DEVICE else "solver_mode: CPU"
+
+
 @pytest.fixture
 def setup(tmp_path):
     lmdb = random_digits_lmdb(tmp_path / "digits_lmdb", 50, 10, seed=4)
@@ -59,7 +64,7 @@ def setup(tmp_path):
         files = []
         for name, text in SOLVERS.items():
             text += f' net: "{net}" test_iter: 2 test_interval: {extra.get(name, 5)} ' \
-                    f'snapshot_prefix: "{tmp_path / (name + tag)}" solver_mode: CPU'
+                    f'snapshot_prefix: "{tmp_path / (name + tag)}" {MODE}'
             f = tmp_path / f"{name}_solver_{batch}_{prefetch}{tag}.prototxt"
             f.write_text(text)
             files.append(str(f))
@@ -336,6 +341,8 @@ def test_cli_worker_threads_keep_log_prefixes(setup, capsys):
     assert "threads must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.cpu_only("the worker-thread count follows the CPU's cores; solvers on CUDA step "
+                     "on one thread unless asked (the threaded tests above ask)")
 def test_worker_count_by_net_size(setup, monkeypatch):
     from brewnet.many.together import plan_groups, worker_count
     from brewnet.threads import usable_cores

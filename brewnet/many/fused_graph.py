@@ -284,7 +284,7 @@ class FusedStepGraph:
             gm.recompile()
             unbox(gm)
             self.gm = gm
-            if xs and xs[0].is_cuda:
+            if self._captures(xs):
                 self._capture(xs, scalars, state)
             out = self._results(self._run(xs, scalars))
             same = (all(_same(a, b) for a, b in zip(state, eager))
@@ -308,6 +308,10 @@ class FusedStepGraph:
         log.info("Fused nets: forward, backward and update of %d nets replayed as one %s (%d ops, "
                  "recorded in %.2g s)", len(active), "CUDA graph" if self.captured else "recorded graph",
                  sum(n.op == "call_function" for n in gm.graph.nodes), time.perf_counter() - t0)
+
+    def _captures(self, xs) -> bool:
+        """Whether the recorded graph is captured as a CUDA graph (its inputs are on CUDA)."""
+        return bool(xs) and xs[0].is_cuda
 
     def _capture(self, xs, scalars, state) -> None:
         """The recorded graph captured as a CUDA graph, its first replay checked against the
