@@ -7,14 +7,19 @@ Parts, each in its own process under a time limit (a part that runs out is repor
 the run goes on):
   parity     ``BREWNET_TEST_DEVICE=cuda python -m pytest`` over the device parity modules
              (tests/conftest.py DEVICE_MODULES): passed / failed / skipped counts, the failures;
-  steps      a training step, eager against the CUDA step graph (brewnet/solvers/cuda_graph.py):
-             LeNet (batch 64), CIFAR10-quick (100), CaffeNet-like (256: CaffeNet without its
-             Dropout layers, which a graph refuses) on a fixed synthetic host batch copied in each
-             step; ms per step (median) and whether the graph's params equal the eager run's bits;
+  steps      a training step, eager against the CUDA step graph (brewnet/solvers/cuda_graph.py:
+             forward, backward and the recorded update, brewnet/solvers/graph_update.py, as one
+             captured graph): LeNet (batch 64), CIFAR10-quick (100), CaffeNet-like (256: CaffeNet
+             without its Dropout layers, which a graph refuses) on a fixed synthetic host batch
+             copied in each step; and 8 LeNets fused (brewnet/many/fused_graph.py: the fused step
+             of all 8, updates included, as one captured graph) on random digits; ms per step
+             (median) and whether the graph's params equal the eager run's bits;
   inference  open_nsfw's forward at batch 1 and 64, the plain path against lean inference
              captured as a CUDA graph (brewnet/lean.py): ms per forward and the largest
              difference;
-  many       ``benchmarks/many_nets.py --device cuda`` for K = 1, 2, 4, 8 LeNets;
+  many       ``benchmarks/many_nets.py --device cuda`` for K = 1, 2, 4, 8 LeNets (one-by-one, K
+             processes, together, fused), eager; then one-by-one, together and fused again with
+             ``BREWNET_STEP_GRAPH=1`` (each net's or the fused step's CUDA graph);
   serve      ``benchmarks/serve.py`` (``brewnet serve --gpu 0``) under load, LeNet and open_nsfw.
 Then one summary. Without a CUDA GPU it prints one line saying so and exits 0.
 The shared data (``BREWNET_SHARED``, default ../shared) is used where it is present; a machine
@@ -42,12 +47,13 @@ MODELS = SHARED / "caffe-models" if (SHARED / "caffe-models").is_dir() else ROOT
 BUDGET_S = 480
 # part: (seconds it may take at most, what it shows)
 PARTS = {
-    "parity": (200, "the device parity tests"),
-    "steps": (70, "training step: eager vs CUDA graph"),
-    "inference": (40, "open_nsfw inference: plain vs lean CUDA graph"),
-    "many": (110, "K LeNets on one GPU (many_nets.py --device cuda)"),   # 16 worker processes
-    "serve": (40, "brewnet serve --gpu 0 under load"),
+    "parity": (190, "the device parity tests"),
+    "steps": (80, "training step: eager vs CUDA graph"),
+    "inference": (35, "open_nsfw inference: plain vs lean CUDA graph"),
+    "many": (115, "K LeNets on one GPU (many_nets.py --device cuda)"),   # 16 + 12 processes
+    "serve": (35, "brewnet serve --gpu 0 under load"),
 }
+FUSED = {"LeNet x8 fused": 8}      # steps rows: K LeNets (many_nets.py's) as one fused net
 TRAIN = {   # name: (solver, train_val, input (C, H, W), batch, steps timed)
     "LeNet": ("bvlc/examples/mnist/lenet_solver.prototxt",
               "bvlc/examples/mnist/lenet_train_test.prototxt", (1, 28, 28), 64, 100),
@@ -84,6 +90,9 @@ def part_steps(device: str, nets: list[str]) -> list[dict]:
     train.MODELS = MODELS          # its nets from here (the shared data or the vendored copies)
     rows = []
     for name in nets:
+        if name in FUSED:
+            rows.append(fused_steps(device, name, FUSED[name]))
+            continue
         solver_file, net_file, shape, batch, n = TRAIN[name]
         rng = np.random.default_rng(0)
         x = rng.standard_normal((batch, *shape)).astype(np.float32)
@@ -104,14 +113,57 @@ def part_steps(device: str, nets: list[str]) -> list[dict]:
                 s.step(1)
                 sync(device)
                 times.append(time.perf_counter() - t0)
-            graph = getattr(s, "_graph", None)
             runs[mode] = (statistics.median(times) * 1e3, [p.detach().clone() for p in s.net.learnable],
-                          type(graph).__name__ if graph is not None and graph.gm is not None
-                          else getattr(s, "_graph_refused", (None, "not captured"))[1] or "not captured")
+                          graph_kind(s))
         (e_ms, e_p, _), (g_ms, g_p, kind) = runs["0"], runs["1"]
         rows.append({"net": name, "batch": batch, "eager_ms": e_ms, "graph_ms": g_ms, "graph": kind,
                      "bitwise": all(torch.equal(a, b) for a, b in zip(e_p, g_p))})
     return rows
+
+
+def graph_kind(s) -> str:
+    """What the solver's step ran as: the CUDA graph with or without the update in it, the CPU's
+    recorded graph, or why none."""
+    graph = getattr(s, "_graph", None)
+    if graph is None or graph.gm is None:
+        return getattr(s, "_graph_refused", (None, "not captured"))[1] or "not captured"
+    if type(graph).__name__ != "CudaStepGraph":
+        return "recorded graph" + (" + update" if graph.update else "")
+    return "CUDA graph: fwd+bwd" + ("+update" if graph.whole else " (update eager)")
+
+
+def fused_steps(device: str, name: str, k: int, n: int = 50) -> dict:
+    """K LeNets fused (many_nets.py's nets, seeds and data), eager against the fused step graph."""
+    import tempfile
+
+    import torch
+
+    import brewnet
+    import many_nets
+    from brewnet.many.fused import FusedSolvers
+
+    work = Path(tempfile.mkdtemp())
+    net = many_nets.prepare(work)["lenet"]
+    runs = {}
+    for mode in ("0", "1"):
+        os.environ["BREWNET_STEP_GRAPH"] = mode
+        brewnet.set_random_seed(1)
+        fs = FusedSolvers(many_nets.solver_params(net, k, work), device=device)
+        fs.step(5)                                # warm-up; the graph is recorded here
+        sync(device)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fs.step(1)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        g = getattr(fs, "_graph", None)
+        kind = ("not recorded" if g is None or g.gm is None
+                else "CUDA graph: fused fwd+bwd+update" if g.captured is not None else "recorded graph")
+        runs[mode] = (statistics.median(times) * 1e3, [p.detach().clone() for p in fs.fused.params], kind)
+    (e_ms, e_p, _), (g_ms, g_p, kind) = runs["0"], runs["1"]
+    return {"net": name, "batch": 64, "eager_ms": e_ms, "graph_ms": g_ms, "graph": kind,
+            "bitwise": all(torch.equal(a, b) for a, b in zip(e_p, g_p))}
 
 
 def without(solver, names, pb):
@@ -225,10 +277,10 @@ def child(part: str, limit: float, a) -> tuple[str, list[str]]:
     if rc != 0 or not rows:
         why = "cut off" if rc is None else f"exit {rc}"
         return f"failed ({why} after {s:.0f} s)", text.strip().splitlines()[-12:]
-    lines = [f"{'net':14} {'batch':>5} {'eager ms':>9} {'graph ms':>9} {'speed-up':>8}  graph / check"]
+    lines = [f"{'net':16} {'batch':>5} {'eager ms':>9} {'graph ms':>9} {'speed-up':>8}  graph / check"]
     for r in rows[-1]:
         check = f"bitwise {r['bitwise']}" if "bitwise" in r else f"max diff {r['max_diff']:.2g}"
-        lines.append(f"{r['net']:14} {r['batch']:5d} {r['eager_ms']:9.2f} {r['graph_ms']:9.2f} "
+        lines.append(f"{r['net']:16} {r['batch']:5d} {r['eager_ms']:9.2f} {r['graph_ms']:9.2f} "
                      f"{r['eager_ms'] / r['graph_ms']:7.2f}x  {r['graph']}; {check}")
     return f"done in {s:.0f} s", lines
 
@@ -236,8 +288,10 @@ def child(part: str, limit: float, a) -> tuple[str, list[str]]:
 def tool(part: str, limit: float) -> tuple[str, list[str]]:
     py = sys.executable
     if part == "many":
-        cmds = [([py, "benchmarks/many_nets.py", "--device", "cuda", "--ks", "1,2,4,8", "--nets", "lenet",
-                  "--steps", "10", "--warmup", "5"], {})]
+        many = [py, "benchmarks/many_nets.py", "--device", "cuda", "--ks", "1,2,4,8", "--nets", "lenet",
+                "--steps", "10", "--warmup", "5"]
+        cmds = [(many, {}), ([*many, "--modes", "one-by-one,together,fused"],
+                             {"BREWNET_STEP_GRAPH": "1"})]
     else:
         cmds = []
         for preset in ("lenet", "open_nsfw"):
@@ -247,6 +301,8 @@ def tool(part: str, limit: float) -> tuple[str, list[str]]:
     lines, t0, status = [], time.monotonic(), "done"
     for cmd, env in cmds:
         rc, text, s = run(cmd, limit - (time.monotonic() - t0), env)
+        if env.get("BREWNET_STEP_GRAPH"):
+            lines.append(f"with BREWNET_STEP_GRAPH={env['BREWNET_STEP_GRAPH']} (CUDA graphs):")
         lines += [ln for ln in text.splitlines() if ln.strip()][-14:]
         if rc != 0:
             status = "cut off" if rc is None else f"failed (exit {rc})"
@@ -287,7 +343,7 @@ def main() -> int:
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda:0", help="steps and inference (cpu: check this script)")
-    ap.add_argument("--nets", default=",".join(TRAIN), help="the step table's nets")
+    ap.add_argument("--nets", default=",".join([*TRAIN, *FUSED]), help="the step table's nets")
     ap.add_argument("--batches", default="1,64", help="open_nsfw's inference batches")
     a = ap.parse_args()
     if a.child:
