@@ -195,7 +195,7 @@ class CudaStepGraph(StepGraph):
         with it, checked bit for bit against the forward-backward graph and the recorded update
         run one after the other on the same state; None: a failure, the step not taken."""
         fn, state, where = self._whole_fn(upd)
-        scalars = upd.host_scalars()
+        scalars = upd.host_scalars().to(self.net.device)   # its static buffer on the device
         before = [t.clone() for t in state]
         fb = [t.clone() for t in self.captured(xs)]
         rest = self._with_update(fb, lambda *a: upd.run(a[:-1 - len(state)], a[-1]), scalars)
