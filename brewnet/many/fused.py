@@ -29,6 +29,11 @@ Two formulations (``exact``; ``brewnet train --fuse [wide|exact]``):
   MNIST), at about one-by-one speed (``benchmarks/many_nets.py``: LeNet K = 8 0.9x one-by-one,
   wide 1.5x); it still reads the data once.
 
+The fused step of all K (forward, backward, every running net's update, its rates and
+clipping scales as tensors) is replayed as one recorded graph, and on CUDA as one captured CUDA
+graph, where ``brewnet/many/fused_graph.py`` accepts the nets (as the step graph: asked with
+``BREWNET_STEP_GRAPH=1``, else for long runs of fast steps; checked bit for bit at recording).
+
 Dropout masks and random transforms come from one stream for all K (alone, each net draws its
 own), so nets with them are bitwise in neither.
 
@@ -65,6 +70,7 @@ from ..solvers.logprefix import log_prefix
 from ..solvers.lr_policy import policy
 from ..solvers.nets import load_solver_param
 from .fused_layers import FusedNet, FuseError
+from .fused_rules import UPDATES, col, corrections, times
 
 log = logging.getLogger("brewnet")
 f32 = np.float32
@@ -77,22 +83,6 @@ def net_prefix(k: int, prefixes=None):
     return log_prefix(prefixes[k] if prefixes else f"[s{k}] ")
 
 
-def _col(values, like: torch.Tensor) -> torch.Tensor:
-    """Per-net float32 scalars as a (m, 1, ...) column broadcasting over ``like`` (m, ...);
-    ``values`` a list, or a float32 tensor (m,) (a recorded step's per-iteration values)."""
-    if isinstance(values, torch.Tensor):
-        return values.to(dtype=like.dtype).view(-1, *([1] * (like.dim() - 1)))
-    col = torch.from_numpy(np.asarray(values, dtype=np.float32))
-    return col.to(device=like.device, dtype=like.dtype).view(-1, *([1] * (like.dim() - 1)))
-
-
-def _times(a, b):
-    """Per-net float32 products: of lists (numpy float32), or of a float32 tensor by a list."""
-    if isinstance(a, torch.Tensor):
-        return a * torch.from_numpy(np.asarray(b, dtype=np.float32)).to(a.device)
-    return [f32(x) * f32(y) for x, y in zip(a, b)]
-
-
 def as_dtype(solver, dtype) -> None:
     """Cast a solver's nets and histories (float64 runs check the fused algorithm without
     float32 rounding in the way)."""
@@ -101,45 +91,6 @@ def as_dtype(solver, dtype) -> None:
         net.to(dtype=dtype)
         solver.share_weights(net)
     solver.history = [h.to(dtype) for h in solver.history]
-
-
-# -- update rules over a slice of stacked nets (Caffe's ComputeUpdateValue, K at once): p, g
-# and the history sets are (m, ...) slices, ``rate`` the m nets' float32 local rates ----------
-def _sgd(solvers, p, g, hist, i, rate, corr):
-    h, rate = hist[0], _col(rate, p)
-    h.mul_(_col([s.param.momentum for s in solvers], h)).addcmul_(g, rate)
-    p.sub_(h)
-
-
-def _nesterov(solvers, p, g, hist, i, rate, corr):
-    h, rate = hist[0], _col(rate, p)
-    m = _col([s.param.momentum for s in solvers], h)
-    prev = h.clone()
-    h.mul_(m).addcmul_(g, rate)
-    p.sub_(h * _col([f32(1) + f32(s.param.momentum) for s in solvers], h) - prev * m)
-
-
-def _adam(solvers, p, g, hist, i, rate, corr):
-    m, v = hist
-    b1 = [f32(s.param.momentum) for s in solvers]
-    b2 = [f32(s.param.momentum2) for s in solvers]
-    m.mul_(_col(b1, m)).addcmul_(g, _col([f32(1) - x for x in b1], m))
-    v.mul_(_col(b2, v)).addcmul_(g * g, _col([f32(1) - y for y in b2], v))
-    step = m / v.sqrt().add_(_col([s.param.delta for s in solvers], v))
-    p.sub_(step.mul_(_col(rate * corr if isinstance(rate, torch.Tensor)
-                          else [r * c for r, c in zip(rate, corr)], p)))
-
-
-def corrections(solvers) -> list:
-    """Adam's bias corrections of this iteration, per net (1 for the other rules)."""
-    out = []
-    for s in solvers:
-        fn = getattr(s, "iteration_scalars", None)
-        out.append(fn()["correction"] if fn is not None else f32(1))
-    return out
-
-
-UPDATES = {"SGD": _sgd, "Nesterov": _nesterov, "Adam": _adam}
 
 
 class FusedSolvers:
@@ -248,7 +199,7 @@ class FusedSolvers:
         mults = [self.solvers[k].net.lr_mults[i] for k in self.order]
         if all(mults) or not p.requires_grad:
             return None
-        return _col([1.0 if m else 0.0 for m in mults], p)
+        return col([1.0 if m else 0.0 for m in mults], p)
 
     # -- the loop --------------------------------------------------------------------------
     def step(self, iters: int) -> None:
@@ -454,7 +405,7 @@ class FusedSolvers:
             c = torch.from_numpy(np.asarray(clips, dtype=np.float32)).to(norm.device)
             scale = torch.where((c >= 0) & (norm > c), c / norm, 1.0)
             for g in grads:
-                g.mul_(_col(scale, g))
+                g.mul_(col(scale, g))
             return norm
         scales = []
         for k, c, s2 in zip(run, clips, sq.cpu().numpy()):
@@ -462,7 +413,7 @@ class FusedSolvers:
             scales.append(self.log_clipping(k, c, norm))
         if any(x != 1 for x in scales):
             for g in grads:
-                g.mul_(_col(scales, g))
+                g.mul_(col(scales, g))
         return None
 
     def log_clipping(self, k: int, clip, norm):
@@ -480,8 +431,8 @@ class FusedSolvers:
         if iter_size > 1:
             g.mul_(float(f32(1) / f32(iter_size)))
         decay = [f32(s.param.weight_decay) * f32(s.net.decay_mults[i]) for s in solvers]
-        local = _times(rates, [s.net.lr_mults[i] for s in solvers])
-        if self.exact and rule is not _sgd:
+        local = times(rates, [s.net.lr_mults[i] for s in solvers])
+        if self.exact and rule is not UPDATES["SGD"]:
             # each net's own rule on its row, as alone (Adam's and Nesterov's stacked forms
             # round their per-net products in another order; SGD's rounds as alone)
             n = len(self.fused.params)
@@ -506,6 +457,6 @@ class FusedSolvers:
         if any(decay):
             l1 = [s.param.regularization_type == "L1" for s in solvers]
             reg = p if not any(l1) else torch.sign(p) if all(l1) else torch.where(
-                _col(l1, p).bool(), torch.sign(p), p)
-            g.addcmul_(reg, _col(decay, p))
+                col(l1, p).bool(), torch.sign(p), p)
+            g.addcmul_(reg, col(decay, p))
         rule(solvers, p, g, hist, i, local, corr)

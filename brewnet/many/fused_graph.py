@@ -124,7 +124,7 @@ class FusedStepGraph:
     def _scalars(self, active) -> torch.Tensor:
         """(2, K): each stack position's rate and Adam correction (1 elsewhere); the rates of the
         running nets come from their lr policies (moving current_step, once per iteration)."""
-        from .fused import corrections
+        from .fused_rules import corrections
         fs = self.fs
         values = np.ones((2, len(fs.order)), np.float32)
         run = [k for k in fs.order if k in active]

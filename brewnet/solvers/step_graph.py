@@ -16,7 +16,9 @@ What stays outside the graph, run eagerly each iteration:
   graph's inputs, so readers, prefetchers, transforms and their RNGs work as they do;
 - the label range checks (``check_labels``) are data-dependent: recorded while tracing and
   run on the graph's input labels before each replay;
-- the solver's update (its rate changes every iteration under most lr policies).
+- the solver's update on the CPU (measured: recording it gained nothing there,
+  ``graph_update.ON_CPU``); on CUDA the update recorded with its per-iteration numbers as
+  tensors (``graph_update.py``) is captured with the step: one replay (``cuda_graph.py``).
 A TRAIN top nothing in the step needs (an Accuracy) is split off and computed when first read
 (``Blob._pending``), from values the step saved. Replayed ops go through torch's Python
 bindings rather than ``OpOverload`` (``graph_record.unbox``).
