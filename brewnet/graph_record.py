@@ -157,16 +157,22 @@ class _ValueReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def record(fn, inputs, attrs: dict | None = None, root=None) -> GraphModule:
+def record(fn, inputs, attrs: dict | None = None, root=None, made: bool = False) -> GraphModule:
     """``fn(*inputs)`` run once for real; the graph of the aten ops it ran, returning what
     ``fn`` returns (a tuple of tensors). A tensor in ``attrs`` (id -> attribute path on
-    ``root``) is read from there at each call; other constants are held by the graph."""
+    ``root``) is read from there at each call; other constants are held by the graph.
+    ``made``: every output must come from a recorded op (a training step's loss and gradients:
+    one the recording missed, e.g. a backward it did not see, would be replayed as this run's
+    value forever, and the check at capture, on this run's inputs, could not tell)."""
     rec = _Recorder(inputs, attrs, root)
     with _LOCK, _ValueReads(rec), rec:
         outs = fn(*inputs)
     if rec.error:
         raise RecordError(rec.error)
-    rec.graph.output(tuple(rec.arg(o) for o in outs))
+    nodes = tuple(rec.arg(o) for o in outs)
+    if made and any(isinstance(n, torch.fx.Node) and n.op == "get_attr" for n in nodes):
+        raise RecordError("an output was made by no recorded op")
+    rec.graph.output(nodes)
     return GraphModule(rec.root, rec.graph)
 
 

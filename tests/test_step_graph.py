@@ -450,3 +450,14 @@ def test_recorder_refuses_memory_of_the_run_it_did_not_see_made():
     with pytest.raises(RecordError, match="shares memory"):
         record(lambda x: (x[:2] + tail,), [x])
 
+
+
+def test_recorder_refuses_an_output_no_recorded_op_made():
+    """A step's outputs (loss, gradients) must come from recorded ops: one the recording did not
+    see made (here a tensor made before the run) would be replayed as this run's value."""
+    from brewnet.graph_record import RecordError, record
+
+    made_before = torch.randn(3)
+    record(lambda x: (x + 1, made_before), [torch.randn(3)])        # lean inference may
+    with pytest.raises(RecordError, match="made by no recorded op"):
+        record(lambda x: (x + 1, made_before), [torch.randn(3)], made=True)

@@ -268,7 +268,7 @@ class FusedStepGraph:
         same = False
         try:
             with _deferred_label_checks(checks):
-                gm = record(lambda *a: self._step(active, *a), [*xs, *state, scalars])
+                gm = record(lambda *a: self._step(active, *a), [*xs, *state, scalars], made=True)
             reset()
             scalars = self._scalars(active)
             self.checks = []

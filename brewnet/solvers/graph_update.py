@@ -200,7 +200,7 @@ class UpdateGraph:
         scalars = self.host_scalars()
         try:
             with torch.no_grad():
-                gm = record_graph(self._update, self._inputs(grads, scalars))
+                gm = record_graph(self._update, self._inputs(grads, scalars), made=True)
             restore()
             unbox(gm)
             self.gm = gm

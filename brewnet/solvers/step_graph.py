@@ -305,7 +305,7 @@ class StepGraph:
         record: list = []
         try:
             with _deferred_label_checks(record):
-                gm = record_graph(self._traced, xs)
+                gm = record_graph(self._traced, xs, made=True)
         except Exception as e:       # data-dependent control flow (RecordError), a failing op
             log.debug("step graph: trace failed: %s: %s", type(e).__name__, e)
             return False
