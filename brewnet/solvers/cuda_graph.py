@@ -139,10 +139,8 @@ class CudaStepGraph(StepGraph):
         key = (upd.key, tuple(id(t) for t in upd.solver.net.learnable),
                tuple(id(h) for h in upd.solver.history))
         if self.whole is None or key != self.whole_key:
-            out = self._capture_whole(xs, upd)
-            if out is not None:
-                self.whole_key = key
-            return out if out is not None else self.captured(xs)
+            self.whole_key = key
+            return self._capture_whole(xs, upd)
         out = self.whole([*xs, upd.host_scalars()])
         return self._took(out, upd)
 
@@ -193,7 +191,8 @@ class CudaStepGraph(StepGraph):
     def _capture_whole(self, xs, upd):
         """Capture forward, backward and update as one graph and take this iteration's step
         with it, checked bit for bit against the forward-backward graph and the recorded update
-        run one after the other on the same state; None: a failure, the step not taken."""
+        run one after the other on the same state. On a failure or a difference the step is the
+        two's (``whole`` False: they stay two for this net)."""
         fn, state, where = self._whole_fn(upd)
         scalars = upd.host_scalars().to(self.net.device)   # its static buffer on the device
         before = [t.clone() for t in state]
