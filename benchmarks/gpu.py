@@ -106,19 +106,24 @@ def part_steps(device: str, nets: list[str]) -> list[dict]:
                 s = without(s, [lp.name for lp in s.net.param.layer if lp.type == "Dropout"], pb)
             s.train_feed = lambda i: {"data": x, "label": y}
             s.step(3)                             # warm-up; the graph captures here
-            sync(device)
-            times = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                s.step(1)
-                sync(device)
-                times.append(time.perf_counter() - t0)
-            runs[mode] = (statistics.median(times) * 1e3, [p.detach().clone() for p in s.net.learnable],
+            runs[mode] = (median_step_ms(s.step, device, n), [p.detach().clone() for p in s.net.learnable],
                           graph_kind(s))
         (e_ms, e_p, _), (g_ms, g_p, kind) = runs["0"], runs["1"]
         rows.append({"net": name, "batch": batch, "eager_ms": e_ms, "graph_ms": g_ms, "graph": kind,
                      "bitwise": all(torch.equal(a, b) for a, b in zip(e_p, g_p))})
     return rows
+
+
+def median_step_ms(step, device: str, n: int) -> float:
+    """The median of ``n`` timed ``step(1)`` calls, in ms (the device synchronised around each)."""
+    sync(device)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step(1)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
 
 
 def graph_kind(s) -> str:
@@ -150,17 +155,11 @@ def fused_steps(device: str, name: str, k: int, n: int = 50) -> dict:
         brewnet.set_random_seed(1)
         fs = FusedSolvers(many_nets.solver_params(net, k, work), device=device)
         fs.step(5)                                # warm-up; the graph is recorded here
-        sync(device)
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fs.step(1)
-            sync(device)
-            times.append(time.perf_counter() - t0)
+        ms = median_step_ms(fs.step, device, n)
         g = getattr(fs, "_graph", None)
         kind = ("not recorded" if g is None or g.gm is None
                 else "CUDA graph: fused fwd+bwd+update" if g.captured is not None else "recorded graph")
-        runs[mode] = (statistics.median(times) * 1e3, [p.detach().clone() for p in fs.fused.params], kind)
+        runs[mode] = (ms, [p.detach().clone() for p in fs.fused.params], kind)
     (e_ms, e_p, _), (g_ms, g_p, kind) = runs["0"], runs["1"]
     return {"net": name, "batch": 64, "eager_ms": e_ms, "graph_ms": g_ms, "graph": kind,
             "bitwise": all(torch.equal(a, b) for a, b in zip(e_p, g_p))}
