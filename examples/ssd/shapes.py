@@ -1,6 +1,6 @@
 """Train MobileNet-SSD's own train.prototxt on boxes you made: a worked example.
 
-    python examples/ssd/shapes.py --out /tmp/ssd_shapes [--size 96] [--iters 600]
+    python examples/ssd/shapes.py --out /tmp/ssd_shapes [--size 96] [--iters N] [--augment ssd]
 
 1. draws a small detection dataset (circles, squares and triangles of random colours, sizes
    and places on a noisy background; the boxes written to a CSV);
@@ -8,9 +8,16 @@
 3. writes copies of MobileNet-SSD's train.prototxt and test prototxt (from
    ../shared/caffe-models/mobilenet-ssd/, see its SOURCES.txt) with num_classes 4 (background
    + 3 shapes), the LMDB sources and, for ``--size`` other than 300, the input size (resize_param)
-   and the PriorBox sizes scaled to it; nothing else changes (all its augmentation stays);
-4. trains it from scratch with ``brewnet train`` and scores it with ``brewnet test``, which
-   reports the detection mAP (DetectionEvaluate accumulated as SSD's solver does).
+   and the PriorBox sizes scaled to it. Two more changes, because it trains from scratch for
+   minutes rather than fine-tuning an ImageNet MobileNet for 120000 iterations: the backbone's
+   lr_mult/decay_mult 0.1 (0.2 for the Scale biases) become 1 (2), and every BatchNorm's
+   moving_average_fraction 0.999 becomes ``--bn-fraction`` (0.99): the test net normalises
+   with the running averages, and over a run of a thousand iterations 0.999 keeps the first
+   iterations' statistics, including those of channels that died since (measured: the same
+   weights score a 10x lower mAP with those averages than with averages of the final weights);
+4. trains it with ``brewnet train`` (optionally scoring the test set every ``--test-interval``
+   iterations) and scores it with ``brewnet test``, which reports the detection mAP
+   (DetectionEvaluate accumulated as SSD's solver does).
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from google.protobuf import text_format
 from brewnet.proto.io import read_net
 
 HERE = Path(__file__).resolve().parent
-MODELS = HERE.parents[1] / ".." / "shared" / "caffe-models" / "mobilenet-ssd"
+MODELS = HERE.parents[1].parent / "shared" / "caffe-models" / "mobilenet-ssd"
 SHAPES = ("circle", "square", "triangle")
 VOC_CLASSES = 21
 
@@ -77,9 +84,11 @@ def make_dataset(out: Path, split: str, n: int, side: int, seed: int) -> Path:
 
 
 def adapt(src: Path, dst: Path, classes: int, source: str, batch: int, size: int, label_map: str,
-          light: bool = False):
+          light: bool = False, bn_fraction: float | None = None, scratch: bool = False):
     """A copy of a MobileNet-SSD prototxt for ``classes`` classes, ``source``, ``batch`` and a
-    ``size`` x ``size`` input (PriorBox min/max sizes scaled by size / 300)."""
+    ``size`` x ``size`` input (PriorBox min/max sizes scaled by size / 300); ``light``: no
+    expansion, distortion or sampled crops; ``bn_fraction``: every BatchNorm's
+    moving_average_fraction; ``scratch``: the fine-tuning multipliers 0.1/0.2 set to 1/2."""
     net = read_net(str(src))
     for layer in net.layer:
         if layer.name.endswith("_mbox_conf"):
@@ -96,7 +105,7 @@ def adapt(src: Path, dst: Path, classes: int, source: str, batch: int, size: int
             layer.annotated_data_param.label_map_file = label_map
             rp = layer.transform_param.resize_param
             rp.height = rp.width = size
-            if light:       # --light-augment: no expansion, distortion or sampled crops
+            if light:       # no expansion, distortion or sampled crops
                 for field in ("expand_param", "distort_param"):
                     layer.transform_param.ClearField(field)
                 layer.annotated_data_param.ClearField("batch_sampler")
@@ -104,6 +113,14 @@ def adapt(src: Path, dst: Path, classes: int, source: str, batch: int, size: int
             p = layer.prior_box_param
             p.min_size[:] = [v * size / 300 for v in p.min_size]
             p.max_size[:] = [v * size / 300 for v in p.max_size]
+        if layer.type == "BatchNorm" and bn_fraction is not None:
+            layer.batch_norm_param.moving_average_fraction = bn_fraction
+        if scratch:         # the backbone's fine-tuning multipliers (0.1, Scale biases 0.2)
+            for ps in layer.param:
+                if ps.lr_mult in (np.float32(0.1), np.float32(0.2)):
+                    ps.lr_mult = round(ps.lr_mult * 10)
+                if ps.decay_mult == np.float32(0.1):
+                    ps.decay_mult = 1
         if layer.type == "DetectionOutput":
             layer.detection_output_param.ClearField("save_output_param")
         if layer.type == "DetectionEvaluate":
@@ -126,21 +143,62 @@ def brewnet(*args, log: Path | None = None) -> str:
     return text
 
 
+SOLVERS = {"SGD": "momentum: 0.9", "Adam": "momentum: 0.9\nmomentum2: 0.999"}
+
+
+def solver_text(out: Path, a, prefix: str) -> str:
+    """The solver: ``--solver`` at ``--base-lr``, divided by 10 after ``--step`` of the
+    iterations; with ``--test-interval``, the test net scored as SSD's solver does."""
+    test = ""
+    if a.test_interval:
+        test = (f'test_net: "{out}/test.prototxt"\ntest_iter: {a.test // 10}\n'
+                f'test_interval: {a.test_interval}\ntest_initialization: false\n'
+                f'eval_type: "detection"\nap_version: "{a.ap_version}"\n')
+    return f"""train_net: "{out}/train.prototxt"
+{test}base_lr: {a.base_lr}
+lr_policy: "multistep"
+stepvalue: {max(1, int(a.iters * a.step))}
+gamma: 0.1
+type: "{a.solver}"
+{SOLVERS[a.solver]}
+weight_decay: 0.00005
+max_iter: {a.iters}
+display: 20
+average_loss: 20
+snapshot: {a.iters}
+snapshot_prefix: "{out}/{prefix}"
+random_seed: 1
+"""
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="working folder")
+    ap.add_argument("--models", type=Path, default=MODELS,
+                    help="the folder of MobileNet-SSD's train.prototxt and voc/MobileNetSSD_test.prototxt")
     ap.add_argument("--size", type=int, default=96, help="network input side (MobileNet-SSD: 300)")
     ap.add_argument("--image-side", type=int, default=128, help="side of the generated images")
     ap.add_argument("--train", type=int, default=800, help="training images")
-    ap.add_argument("--test", type=int, default=100, help="test images")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=600)
-    ap.add_argument("--base-lr", type=float, default=0.001)
+    ap.add_argument("--test", type=int, default=100, help="test images (a multiple of 10)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=1000)
+    ap.add_argument("--solver", choices=sorted(SOLVERS), default="SGD")
+    ap.add_argument("--base-lr", type=float, default=0.01)
+    ap.add_argument("--step", type=float, default=0.8,
+                    help="the rate drops 10x after this share of the iterations")
+    ap.add_argument("--augment", choices=["light", "ssd"], default="light",
+                    help="light: mirror and resize only; ssd: also MobileNet-SSD's distortion, "
+                         "expansion and sampled crops")
+    ap.add_argument("--bn-fraction", type=float, default=0.99,
+                    help="BatchNorm moving_average_fraction (the prototxt's: 0.999)")
+    ap.add_argument("--finetune-mults", action="store_true",
+                    help="keep the backbone's lr_mult/decay_mult 0.1 (for an ImageNet-trained backbone)")
+    ap.add_argument("--test-interval", type=int, default=0, help="score the test set every N iterations")
     ap.add_argument("--ap-version", default="11point", choices=["11point", "MaxIntegral", "Integral"])
     ap.add_argument("--weights", type=Path, help="fine-tune from these weights (a previous run's)")
-    ap.add_argument("--light-augment", action="store_true",
-                    help="train without SSD's expansion, distortion and sampled crops (mirror and resize stay)")
     a = ap.parse_args(argv)
+    if a.test % 10:
+        ap.error("--test must be a multiple of 10 (the test batch)")
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     lm = out / "labelmap.prototxt"
@@ -150,40 +208,31 @@ def main(argv=None) -> None:
             brewnet("create-annoset", csv_path, out / f"{split}_lmdb", "--label-map", lm,
                     "--root-folder", f"{out}/")
     classes = len(SHAPES) + 1
-    adapt(MODELS / "train.prototxt", out / "train.prototxt", classes, str(out / "train_lmdb"),
-          a.batch, a.size, str(lm), a.light_augment)
-    adapt(MODELS / "voc" / "MobileNetSSD_test.prototxt", out / "test.prototxt", classes,
-          str(out / "test_lmdb"), 10, a.size, str(lm))
-    prefix = ("ssd_shapes_ft" if a.weights else "ssd_shapes") + ("_light" if a.light_augment else "")
-    (out / "solver.prototxt").write_text(f"""train_net: "{out}/train.prototxt"
-base_lr: {a.base_lr}
-lr_policy: "multistep"
-stepvalue: {int(a.iters * 0.75)}
-gamma: 0.1
-type: "Adam"
-momentum: 0.9
-momentum2: 0.999
-weight_decay: 0.00005
-max_iter: {a.iters}
-display: 10
-average_loss: 10
-snapshot: {a.iters}
-snapshot_prefix: "{out}/{prefix}"
-random_seed: 1
-""")
+    models = a.models.resolve()
+    adapt(models / "train.prototxt", out / "train.prototxt", classes, str(out / "train_lmdb"),
+          a.batch, a.size, str(lm), a.augment == "light", a.bn_fraction, not a.finetune_mults)
+    adapt(models / "voc" / "MobileNetSSD_test.prototxt", out / "test.prototxt", classes,
+          str(out / "test_lmdb"), 10, a.size, str(lm), bn_fraction=a.bn_fraction)
+    prefix = ("ssd_shapes_ft" if a.weights else "ssd_shapes") + ("_ssdaug" if a.augment == "ssd" else "")
+    (out / "solver.prototxt").write_text(solver_text(out, a, prefix))
     t0 = time.time()
     more = ["--weights", a.weights.resolve()] if a.weights else []
-    brewnet("train", "--solver", out / "solver.prototxt", *more, log=out / f"{prefix}_train.log")
+    log = out / f"{prefix}_train.log"
+    text = brewnet("train", "--solver", out / "solver.prototxt", *more, log=log)
     train_s = time.time() - t0
+    curve = [ln.split("] ", 1)[-1] for ln in text.splitlines() if "detection_eval =" in ln]
+    losses = [ln.rsplit("loss = ", 1)[1] for ln in text.splitlines() if "Iteration" in ln and "loss = " in ln]
     weights = out / f"{prefix}_iter_{a.iters}.caffemodel"
     t0 = time.time()
     text = brewnet("test", "--model", out / "test.prototxt", "--weights", weights,
                    "--iterations", a.test // 10, "--ap-version", a.ap_version, "--per-class",
                    log=out / f"{prefix}_test.log")
-    maps = [ln for ln in text.splitlines() if "detection_eval" in ln or "mAP" in ln]
+    maps = [ln.split("] ", 1)[-1] for ln in text.splitlines() if "detection_eval" in ln or "class" in ln]
+    if curve:
+        print("test mAP during training:", ", ".join(c.rsplit("= ", 1)[-1] for c in curve))
     print("\n".join(maps[-5:]))
-    print(f"train: {a.iters} iterations of batch {a.batch} at {a.size}x{a.size} in {train_s:.0f} s; "
-          f"test: {time.time() - t0:.0f} s")
+    print(f"train: {a.iters} iterations of batch {a.batch} at {a.size}x{a.size} in {train_s:.0f} s, "
+          f"final loss (average of 20) {losses[-1] if losses else '?'}; test: {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":
