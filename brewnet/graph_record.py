@@ -198,3 +198,12 @@ def unbox(gm) -> None:
             if fn is not None:
                 node.target = fn
     gm.recompile()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN (a diverging step is compared too): a replay's check."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return bool(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))

@@ -229,8 +229,8 @@ class LeanForward:
         if self.net.device.type != "cuda":
             out = self.gm(*xs)
             return out if isinstance(out, tuple) else (out,)
+        from .graph_record import same_bits as _same
         from .solvers.cuda_graph import CapturedGraph
-        from .solvers.step_graph import _same
 
         addresses = tuple(t.data_ptr() for t in (*self.gm.parameters(), *self.gm.buffers()))
         if self.captured is None or addresses != self._addresses:

@@ -67,13 +67,16 @@ def scaled_add(h: torch.Tensor, g: torch.Tensor, rate) -> torch.Tensor:
     return h.add_(g, alpha=rate)
 
 
+def _ours(kind: type, method: str) -> bool:
+    """``kind``'s ``method`` is one of brewnet's solver modules' (not a user's override)."""
+    owner = next((c for c in kind.__mro__ if method in c.__dict__), None)
+    return owner is not None and owner.__module__.startswith(__package__ + ".")
+
+
 def refusal(solver) -> str | None:
     """Why ``solver``'s update cannot be recorded (None: it can)."""
-    from .base import SOLVERS
-
     kind = type(solver)
-    if not any(issubclass(kind, c) and kind.update_params is c.update_params
-               and kind.compute_updates is c.compute_updates for c in SOLVERS.values()):
+    if not all(_ours(kind, name) for name in ("update_params", "compute_updates")):
         return f"{kind.__name__}: an update rule of its own (not one of brewnet's)"
     if not solver._foreach_ok():
         return "the per-param update (Solver.foreach is False)"
@@ -176,9 +179,8 @@ class UpdateGraph:
         update) and check the recorded graph's replay against the eager update on the same
         state: either way the update of this iteration is done when it returns (True: by the
         graph, which is kept)."""
-        from ..graph_record import RecordError, unbox
+        from ..graph_record import RecordError, same_bits, unbox
         from ..graph_record import record as record_graph
-        from .step_graph import _same
 
         s = self.solver
         self.tries += 1
@@ -208,7 +210,7 @@ class UpdateGraph:
         except (RecordError, RuntimeError) as e:
             log.debug("update graph: recording failed: %s: %s", type(e).__name__, e)
             self.gm = None
-        if self.gm is None or not all(_same(a, b) for a, b in zip(state, eager)):
+        if self.gm is None or not all(same_bits(a, b) for a, b in zip(state, eager)):
             if self.gm is not None:
                 log.warning("update graph: the recorded update differs from the eager one; "
                             "solver of net '%s' keeps the eager update", s.net.name)

@@ -46,6 +46,7 @@ from contextlib import contextmanager
 import torch
 
 from .. import backprop
+from ..graph_record import same_bits as _same
 from ..graph_record import unbox
 from ..runtime import env_switch
 from .graph_ops import split_side_tops
@@ -99,15 +100,6 @@ def device_refusal(device: torch.device, asked: bool = True) -> str | None:
         return None
     kind = DEVICE_GRAPHS.get(device.type)
     return kind[1](device, asked) if kind else f"device {device}: no CUDA graphs there"
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal values, NaN where NaN (a diverging step is compared too)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    return bool(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
 
 
 @contextmanager
