@@ -1,21 +1,21 @@
 """Where a training iteration of the SSD example's 96 x 96 MobileNet-SSD goes, per part.
 
-    python benchmarks/ssd_step.py [--size 96] [--batch 8] [--rounds 5]
+    python benchmarks/ssd_step.py [--size 96] [--batch 8] [--width 1] [--rounds 5]
     python benchmarks/ab.py --base COMMIT --rounds 3 -- benchmarks/ssd_step.py   # before/after
 
-Builds examples/ssd/shapes.py's data (64 generated images) and its adapted prototxts in a
-temporary folder, then times, alternating the parts in each round (the machine is shared and
-noisy) and reporting medians in ms:
+Builds examples/ssd/shapes.py's data (64 training, 20 test images) and its adapted prototxts
+in a temporary folder (data layers without a prefetch thread, so loading is timed where it
+runs), then times each part once per round, in turn (the machine is shared and noisy), and
+prints the medians in ms:
 
 - ``data full`` / ``data light``: one AnnotatedData batch with SSD's whole augmentation
-  (distort, expand, six batch samplers, mirror) / with ``--light-augment`` (mirror, resize);
-- ``forward`` / ``backward``: the train net without its data layer (the batch fed from a
-  fixed copy) and its backward, MultiBoxLoss included;
+  (distortion, expansion, six batch samplers, mirror) / with ``--augment light`` (mirror, resize);
+- ``forward`` / ``forward+backward``: the train net from the layer after its data layer (on the
+  batch the data blobs hold), MultiBoxLoss included;
 - ``MultiBoxLoss fwd+bwd``: the loss layer alone on that batch's bottoms;
-- ``solver update``: the Adam update;
-- ``step (light)``: ``solver.step(1)`` with the data loaded in the forward (no prefetch thread);
-- ``test batch``: the test net's forward on a batch (DetectionOutput + DetectionEvaluate), and
-  ``DetectionOutput`` alone.
+- ``step (light)``: ``solver.step(1)`` (Adam): data, forward, backward, update;
+- ``test batch``: the test net's forward on a batch of 10 (DetectionOutput + DetectionEvaluate),
+  and ``DetectionOutput`` alone.
 
 Run under ``benchmarks/ab.py`` it imports the tree that ``PYTHONPATH`` names (the base commit's
 or this checkout's); alone, this checkout's.
@@ -43,7 +43,7 @@ import brewnet  # noqa: E402
 from brewnet.proto.io import read_net  # noqa: E402
 
 
-def build(folder: Path, size: int, batch: int) -> dict[str, Path]:
+def build(folder: Path, size: int, batch: int, width: float = 1.0) -> dict[str, Path]:
     """The example's LMDBs (64 train, 20 test images) and its prototxts, prefetch off."""
     lm = folder / "labelmap.prototxt"
     for split, n, seed in (("train", 64, 1), ("test", 20, 2)):
@@ -54,10 +54,10 @@ def build(folder: Path, size: int, batch: int) -> dict[str, Path]:
     for name, light in (("full", False), ("light", True)):
         out[name] = folder / f"train_{name}.prototxt"
         shapes.adapt(shapes.MODELS / "train.prototxt", out[name], 4, str(folder / "train_lmdb"),
-                     batch, size, str(lm), light)
+                     batch, size, str(lm), light, width=width)
     out["test"] = folder / "test.prototxt"
     shapes.adapt(shapes.MODELS / "voc" / "MobileNetSSD_test.prototxt", out["test"], 4,
-                 str(folder / "test_lmdb"), 10, size, str(lm))
+                 str(folder / "test_lmdb"), 10, size, str(lm), width=width)
     for path in out.values():           # batches loaded in the forward: timed in the thread
         net = read_net(str(path))
         for layer in net.layer:
@@ -86,10 +86,11 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=96)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--width", type=float, default=1.0, help="examples/ssd/shapes.py --width")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        protos = build(folder, a.size, a.batch)
+        protos = build(folder, a.size, a.batch, a.width)
         full = solver_for(folder, protos["full"], "full")
         light = solver_for(folder, protos["light"], "light")
         net = light.net
@@ -136,8 +137,8 @@ def main() -> None:
             det_bottoms = [test.blobs[b].tensor for b in test.bottom_lists[det_i]]
             for name, fn in parts.items():
                 times[name].append(ms(fn))
-        print(f"MobileNet-SSD {a.size} x {a.size}, batch {a.batch}, {torch.get_num_threads()} "
-              f"torch threads, median of {a.rounds} rounds")
+        print(f"MobileNet-SSD {a.size} x {a.size} width {a.width:g}, batch {a.batch}, median of "
+              f"{a.rounds} rounds (torch threads at the end: {torch.get_num_threads()})")
         for name, ts in times.items():      # name, then the number: benchmarks/ab.py's keys
             print(f"{name:<24} {statistics.median(ts):.1f} ms")
 

@@ -174,20 +174,19 @@ class MultiBoxLoss(Layer):
 
     def _positives(self, matches, gts):
         """Every matched (image, prior) in the fork's order (image, label, prior): images,
-        priors, loc columns, matched gt boxes and their labels, as numpy arrays."""
+        priors, loc columns and matched gt boxes, as numpy arrays."""
         parts = []
         for i, per in enumerate(matches):
             for label, (m, _) in sorted(per.items()):
                 js = np.flatnonzero(m > -1)
                 if len(js):
                     col = 0 if self.p.share_location else label
-                    parts.append((np.full(len(js), i), js, np.full(len(js), col),
-                                  gts[i][1][m[js]], gts[i][0][m[js]]))
+                    parts.append((np.full(len(js), i), js, np.full(len(js), col), gts[i][1][m[js]]))
         return [np.concatenate(a) for a in zip(*parts)] if parts else None
 
     def _loc_loss(self, loc4, matches, gts, pbox, pvar):
         p = self.p
-        img, js, col, gbox, _ = self._positives(matches, gts)
+        img, js, col, gbox = self._positives(matches, gts)
         js_t = torch.from_numpy(js)
         prior, var = pbox[js_t], pvar[js_t]
         tgt = B.encode(prior, var, torch.from_numpy(gbox), p.code_type,

@@ -84,16 +84,25 @@ def make_dataset(out: Path, split: str, n: int, side: int, seed: int) -> Path:
 
 
 def adapt(src: Path, dst: Path, classes: int, source: str, batch: int, size: int, label_map: str,
-          light: bool = False, bn_fraction: float | None = None, scratch: bool = False):
+          light: bool = False, bn_fraction: float | None = None, scratch: bool = False,
+          width: float = 1.0):
     """A copy of a MobileNet-SSD prototxt for ``classes`` classes, ``source``, ``batch`` and a
     ``size`` x ``size`` input (PriorBox min/max sizes scaled by size / 300); ``light``: no
     expansion, distortion or sampled crops; ``bn_fraction``: every BatchNorm's
-    moving_average_fraction; ``scratch``: the fine-tuning multipliers 0.1/0.2 set to 1/2."""
+    moving_average_fraction; ``scratch``: the fine-tuning multipliers 0.1/0.2 set to 1/2;
+    ``width``: every backbone and extra-layer convolution's num_output (and a depthwise one's
+    group) times this (MobileNet's width multiplier; the box heads keep theirs)."""
     net = read_net(str(src))
     for layer in net.layer:
+        cp = layer.convolution_param
         if layer.name.endswith("_mbox_conf"):
-            cp = layer.convolution_param
             cp.num_output = cp.num_output // VOC_CLASSES * classes
+        elif layer.type in ("Convolution", "DepthwiseConvolution") and width != 1 \
+                and not layer.name.endswith("_mbox_loc"):
+            depthwise = cp.group == cp.num_output > 1
+            cp.num_output = max(1, round(cp.num_output * width))
+            if depthwise:
+                cp.group = cp.num_output
         for field in ("multibox_loss_param", "detection_output_param", "detection_evaluate_param"):
             if layer.HasField(field):
                 getattr(layer, field).num_classes = classes
@@ -181,9 +190,9 @@ def main(argv=None) -> None:
     ap.add_argument("--train", type=int, default=800, help="training images")
     ap.add_argument("--test", type=int, default=100, help="test images (a multiple of 10)")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--iters", type=int, default=1000)
+    ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--solver", choices=sorted(SOLVERS), default="SGD")
-    ap.add_argument("--base-lr", type=float, default=0.01)
+    ap.add_argument("--base-lr", type=float, default=0.02)
     ap.add_argument("--step", type=float, default=0.8,
                     help="the rate drops 10x after this share of the iterations")
     ap.add_argument("--augment", choices=["light", "ssd"], default="light",
@@ -191,9 +200,12 @@ def main(argv=None) -> None:
                          "expansion and sampled crops")
     ap.add_argument("--bn-fraction", type=float, default=0.99,
                     help="BatchNorm moving_average_fraction (the prototxt's: 0.999)")
+    ap.add_argument("--width", type=float, default=1.0,
+                    help="MobileNet width multiplier on the backbone and extra layers (the prototxt's: 1)")
     ap.add_argument("--finetune-mults", action="store_true",
                     help="keep the backbone's lr_mult/decay_mult 0.1 (for an ImageNet-trained backbone)")
-    ap.add_argument("--test-interval", type=int, default=0, help="score the test set every N iterations")
+    ap.add_argument("--test-interval", type=int, default=500,
+                    help="score the test set every N iterations (0: only at the end)")
     ap.add_argument("--ap-version", default="11point", choices=["11point", "MaxIntegral", "Integral"])
     ap.add_argument("--weights", type=Path, help="fine-tune from these weights (a previous run's)")
     a = ap.parse_args(argv)
@@ -210,9 +222,10 @@ def main(argv=None) -> None:
     classes = len(SHAPES) + 1
     models = a.models.resolve()
     adapt(models / "train.prototxt", out / "train.prototxt", classes, str(out / "train_lmdb"),
-          a.batch, a.size, str(lm), a.augment == "light", a.bn_fraction, not a.finetune_mults)
+          a.batch, a.size, str(lm), a.augment == "light", a.bn_fraction, not a.finetune_mults,
+          a.width)
     adapt(models / "voc" / "MobileNetSSD_test.prototxt", out / "test.prototxt", classes,
-          str(out / "test_lmdb"), 10, a.size, str(lm), bn_fraction=a.bn_fraction)
+          str(out / "test_lmdb"), 10, a.size, str(lm), bn_fraction=a.bn_fraction, width=a.width)
     prefix = ("ssd_shapes_ft" if a.weights else "ssd_shapes") + ("_ssdaug" if a.augment == "ssd" else "")
     (out / "solver.prototxt").write_text(solver_text(out, a, prefix))
     t0 = time.time()
