@@ -94,11 +94,6 @@ def encode(prior, var, gt, code_type: int, variance_in_target: bool) -> torch.Te
     return d if variance_in_target else d / var
 
 
-def sort_desc(scores: torch.Tensor) -> torch.Tensor:
-    """Indices by score, highest first, ties in index order (the fork's std::stable_sort)."""
-    return torch.sort(scores, descending=True, stable=True).indices
-
-
 def nms_fast(boxes, scores, score_threshold: float, nms_threshold: float, eta: float = 1.0,
              top_k: int = -1) -> np.ndarray:
     """ApplyNMSFast: float32 boxes (K, 4), scores (K,) (numpy, or CPU tensors) -> kept indices,
