@@ -229,7 +229,7 @@ class LeanForward:
         if self.net.device.type != "cuda":
             out = self.gm(*xs)
             return out if isinstance(out, tuple) else (out,)
-        from .graph_record import same_bits as _same
+        from .graph_record import same_bits
         from .solvers.cuda_graph import CapturedGraph
 
         addresses = tuple(t.data_ptr() for t in (*self.gm.parameters(), *self.gm.buffers()))
@@ -238,7 +238,7 @@ class LeanForward:
                 self.captured = CapturedGraph(self.gm, xs)
                 out = self.gm(*xs)
                 want = out if isinstance(out, tuple) else (out,)
-                same = all(_same(a, b) for a, b in zip(self.captured(xs), want))
+                same = all(same_bits(a, b) for a, b in zip(self.captured(xs), want))
             except RuntimeError as e:
                 same, want = False, str(e).splitlines()[0][:200]
             if not same:

@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from .. import determinism
+from ..graph_record import same_bits
 from ..solvers import step_graph
-from ..solvers.step_graph import PURE, _fold, _same, as_param_grad, device_refusal, mode
+from ..solvers.step_graph import PURE, _fold, as_param_grad, device_refusal, mode
 
 log = logging.getLogger("brewnet")
 f32 = np.float32
@@ -287,10 +288,10 @@ class FusedStepGraph:
             if self._captures(xs):
                 self._capture(xs, scalars, state)
             out = self._results(self._run(xs, scalars))
-            same = (all(_same(a, b) for a, b in zip(state, eager))
+            same = (all(same_bits(a, b) for a, b in zip(state, eager))
                     and np.array_equal(out[0], ref[0], equal_nan=True)
-                    and all(_same(x, y) for n in ref[1] for x, y in zip(out[1][n], ref[1][n]))
-                    and all(g is None or _same(x, g) for x, g in zip(out[3], ref[2])))
+                    and all(same_bits(x, y) for n in ref[1] for x, y in zip(out[1][n], ref[1][n]))
+                    and all(g is None or same_bits(x, g) for x, g in zip(out[3], ref[2])))
         except (RecordError, RuntimeError) as e:
             log.debug("fused step graph: recording failed: %s: %s", type(e).__name__, e)
         if not same:
@@ -328,8 +329,8 @@ class FusedStepGraph:
         self.captured = CapturedGraph(lambda *a: gm.forward(*a[:n_x], *state, a[-1]),
                                       [*xs, scalars.to(xs[0].device)], state=state)
         got = self.captured([*xs, scalars.to(xs[0].device)])
-        if not (all(_same(a, b) for a, b in zip(got, ref)) and
-                all(_same(a, b) for a, b in zip(state, ref_state))):
+        if not (all(same_bits(a, b) for a, b in zip(got, ref)) and
+                all(same_bits(a, b) for a, b in zip(state, ref_state))):
             self.captured = None
             raise RuntimeError("the CUDA graph's replay differs from the recorded graph's run")
         with torch.no_grad():

@@ -32,7 +32,8 @@ import threading
 
 import torch
 
-from .step_graph import DEVICE_GRAPHS, StepGraph, _same, as_param_grad
+from ..graph_record import same_bits
+from .step_graph import DEVICE_GRAPHS, StepGraph, as_param_grad
 
 log = logging.getLogger("brewnet")
 WARMUP = 3      # eager runs on a side stream before capture (torch's docs use 3 for DDP/AMP)
@@ -207,8 +208,8 @@ class CudaStepGraph(StepGraph):
             got = self.whole([*xs, scalars])
         except RuntimeError as e:
             got, why = None, str(e).splitlines()[0][:200]
-        if got is None or not (len(got) == len(ref) and all(_same(a, b) for a, b in zip(got, ref))
-                               and all(_same(a, b) for a, b in zip(state, ref_state))):
+        if got is None or not (len(got) == len(ref) and all(same_bits(a, b) for a, b in zip(got, ref))
+                               and all(same_bits(a, b) for a, b in zip(state, ref_state))):
             log.warning("step graph: the CUDA graph of forward, backward and update %s; net "
                         "'%s' keeps them as two", f"failed ({why})" if got is None else
                         "differs from the two", self.net.name)

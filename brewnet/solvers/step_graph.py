@@ -46,8 +46,7 @@ from contextlib import contextmanager
 import torch
 
 from .. import backprop
-from ..graph_record import same_bits as _same
-from ..graph_record import unbox
+from ..graph_record import same_bits, unbox
 from ..runtime import env_switch
 from .graph_ops import split_side_tops
 
@@ -337,9 +336,9 @@ class StepGraph:
             return False
         loss, tops, grads = self._values(xs)
         e_loss, e_tops, e_grads = eager
-        same = (_same(loss, e_loss) and tops.keys() == e_tops.keys()
-                and all(_same(tops[n], e_tops[n]) for n in tops)
-                and all((g is None) == (e is None) and (g is None or _same(g, e))
+        same = (same_bits(loss, e_loss) and tops.keys() == e_tops.keys()
+                and all(same_bits(tops[n], e_tops[n]) for n in tops)
+                and all((g is None) == (e is None) and (g is None or same_bits(g, e))
                         for g, e in zip(grads, e_grads)))
         if not same:
             log.warning("step graph: the recorded step differs from the eager one; "
