@@ -6,7 +6,10 @@ trains them in groups: those whose nets came out alike fused (``FusedSolvers``; 
 its exact formulation, each net's own kernels, so a trial's numbers are those of training it
 alone whichever group it is in, and a member leaving changes no other's bits; ``exact=False``:
 the faster wide one, whose float32 sums depend on the group's width), the others together
-(``TrainTogether``), each batch read once per group. At each test (every
+(``TrainTogether``), each batch read once per group. On the CPU the exact form runs the nets'
+kernels one after another, slower than training them together on worker threads (the same
+bits: ``benchmarks/search_engines.py``), so there, unless ``fuse=True`` or ``exact=False``, the
+trials asked at once are all one together group. At each test (every
 ``test_interval``; not the one at iteration 0, which tells nothing of a setting) each net's
 objective, a named TEST output, is reported to its trial; a trial the pruner stops leaves its
 group at once (``drop``: the others go on with the bits they would have had) and the freed slot
@@ -219,9 +222,27 @@ class Search:
                  if retry else "", ", ".join(f"{k}={v}" for k, v in values.items()))
         return Member(trial, p, folder)
 
+    def _fuses_alike(self) -> bool:
+        """Whether trials with alike nets are fused (see the module docstring)."""
+        import torch
+
+        from ..solvers.nets import pick_device
+
+        if self.fuse is not None:
+            return self.fuse
+        if not self.exact:
+            return True
+        base = self.space.base
+        if self.device is None and base.HasField("solver_mode") and base.solver_mode == base.GPU:
+            return torch.cuda.is_available()        # (pick_device would warn here once more)
+        return pick_device(base, self.device).type != "cpu"
+
     def _start(self, members) -> list[Group]:
         """Members as groups: those with the same nets (a searched net field drew alike) as a
-        group each, to be fused; the rest as one group, together."""
+        group each, to be fused; the rest as one group, together (all of them, where alike
+        nets are not fused)."""
+        if not self._fuses_alike():
+            return self._group(members)
         alike: dict[bytes, list[Member]] = {}
         for m in members:
             alike.setdefault(b"".join(n.SerializeToString() for n in inline_nets(m.param)), []).append(m)

@@ -1,6 +1,7 @@
 """``brewnet search --solver S --space space.yaml --trials N [--group K] [--out DIR] ...``: an
 Optuna study of solver and net fields (``brewnet.many.space``), K trials at a time on one data
-stream, fused when their nets match, pruned trials replaced at once (``brewnet.many.search``).
+stream, fused when their nets match (on a GPU, or in the wide form), pruned trials replaced at
+once (``brewnet.many.search``).
 Run it again to resume the study (its journal is ``DIR/study.journal``); run it from N machines
 with ``--storage postgresql://...`` to share one study. The end: a table per trial (also
 ``DIR/search.txt``), the best trial's files in ``DIR/best/``, Optuna's plots as PNGs in ``DIR``.
@@ -41,7 +42,8 @@ def add_arguments(p) -> None:
                    help="RDB storages: a trial whose worker is silent 3*S seconds is failed and retried")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--fuse", dest="fuse", action="store_const", const=True, default=None,
-                   help="fuse each group or fail (default: fuse when the nets match)")
+                   help="fuse each group or fail (default: fuse the trials whose nets match on a GPU or "
+                        "with --fuse-form wide; on the CPU the exact form is slower than together)")
     g.add_argument("--no-fuse", dest="fuse", action="store_const", const=False,
                    help="train groups together without fusing")
     p.add_argument("--fuse-form", choices=("exact", "wide"), default="exact",
