@@ -323,6 +323,92 @@ def test_two_workers_on_postgresql(solver_file, tmp_path, postgres):
     two_workers(solver_file, tmp_path, postgres)
 
 
+def _mariadb_bin():
+    found = [shutil.which(n) or next((f"{d}/{n}" for d in ("/usr/sbin", "/usr/bin")
+                                      if os.access(f"{d}/{n}", os.X_OK)), None)
+             for n in ("mariadbd", "mariadb-install-db")]
+    return found if all(found) else None
+
+
+@pytest.fixture
+def mysql():
+    """A throwaway MariaDB server (MySQL's protocol) on a localhost port, no grant tables (as
+    user mysql when run as root: mariadbd refuses root), with an empty database."""
+    pymysql = pytest.importorskip("pymysql", reason='MySQL storage needs PyMySQL: pip install "brewnet[search]"')
+    found = _mariadb_bin()
+    if found is None:
+        pytest.skip("MariaDB's mariadbd/mariadb-install-db are not installed (Debian: apt-get install "
+                    "mariadb-server)")
+    server, install = found
+    root = Path(tempfile.mkdtemp(prefix="brewnet-my-"))
+    user = []
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam("mysql")
+        except KeyError:
+            pytest.skip("running as root and there is no 'mysql' user for mariadbd")
+        shutil.chown(root, "mysql")
+        user = ["--user=mysql"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = root / "data"
+    subprocess.run([install, "--no-defaults", f"--datadir={data}", "--skip-test-db",
+                    "--auth-root-authentication-method=normal"] + user, check=True, capture_output=True)
+    proc = subprocess.Popen([server, "--no-defaults", f"--datadir={data}", f"--socket={root / 'sock'}",
+                             f"--port={port}", "--bind-address=127.0.0.1", "--skip-grant-tables",
+                             f"--log-error={root / 'err.log'}", "--innodb-flush-log-at-trx-commit=0"] + user,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            try:
+                with pymysql.connect(host="127.0.0.1", port=port, user="root") as c:
+                    c.cursor().execute("CREATE DATABASE brewnet")
+                break
+            except pymysql.err.OperationalError:
+                if proc.poll() is not None:
+                    pytest.fail(f"mariadbd exited: {(root / 'err.log').read_text()[-2000:]}")
+                time.sleep(0.1)
+        else:
+            pytest.fail("mariadbd did not accept connections in 60 s")
+        yield f"mysql://root@127.0.0.1:{port}/brewnet"     # the driver: brewnet's choice (PyMySQL)
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_two_workers_on_mysql(solver_file, tmp_path, mysql):
+    two_workers(solver_file, tmp_path, mysql)
+
+
+def test_rdb_writes_are_issued_again_after_a_deadlock(tmp_path, monkeypatch):
+    """Two workers' transactions on MySQL (InnoDB) may deadlock; the database rolls one back
+    and expects it issued again, which Optuna leaves to its caller. Other errors raise at once."""
+    import sqlalchemy.exc
+
+    calls = []
+    real = optuna.storages.RDBStorage.set_trial_user_attr
+
+    def flaky(self, trial_id, key, value):
+        calls.append(key)
+        if key == "bad" or len(calls) < 3:
+            cause = sqlalchemy.exc.OperationalError(
+                "INSERT", {}, Exception("(1213, 'Deadlock found when trying to get lock; try "
+                                        "restarting transaction')" if key != "bad" else "Data too long"))
+            raise optuna.exceptions.StorageInternalError("commit failed") from cause
+        return real(self, trial_id, key, value)
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_user_attr", flaky)
+    study = st.load(f"sqlite:///{tmp_path / 's.db'}", "dl", direction="maximize")
+    trial = study.ask()
+    trial.set_user_attr("worker", "w")
+    assert calls == ["worker"] * 3 and study.trials[0].user_attrs == {"worker": "w"}
+    with pytest.raises(optuna.exceptions.StorageInternalError):
+        trial.set_user_attr("bad", 1)
+    assert calls.count("bad") == 1
+
+
 def test_silent_worker_on_rdb_storage_is_failed_and_retried(tmp_path):
     """A worker elsewhere stops sending heartbeats mid-trial: its trial is failed after the
     grace period and enqueued again, once (Optuna's heartbeat and retry)."""

@@ -67,15 +67,16 @@ def storage(url: str | None, out: str, heartbeat: int = 60):
     if url.split(":", 1)[0].split("+")[0] not in ("sqlite", "postgresql", "mysql"):
         raise SearchError(f"--storage '{url}': expected sqlite:///FILE, postgresql://..., "
                           "mysql://... or a .journal file")
+    url = _mysql_driver(url)
     for attempt in range(5):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", o.exceptions.ExperimentalWarning)
-                return o.storages.RDBStorage(url, heartbeat_interval=heartbeat, grace_period=3 * heartbeat,
-                                             heartbeat_stale_trial_callback=retry_once())
+                return _retrying_rdb(o)(url, heartbeat_interval=heartbeat, grace_period=3 * heartbeat,
+                                        heartbeat_stale_trial_callback=retry_once())
         except ImportError as e:
             raise SearchError(f"--storage {url.split(':')[0]}: a database driver is missing ({e}); "
-                              f"{INSTALL} installs PostgreSQL's") from None
+                              f"{INSTALL} installs PostgreSQL's and MySQL's") from None
         except Exception as e:   # sqlalchemy's OperationalError...: one line, the server's words
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if "duplicate" in first or "already exists" in first:   # workers creating the tables
@@ -83,6 +84,47 @@ def storage(url: str | None, out: str, heartbeat: int = 60):
                 continue
             raise SearchError(f"--storage {url}: cannot open the study database: {first}") from None
     raise SearchError(f"--storage {url}: cannot create the study tables: {first}")
+
+
+# The storage calls that write: a deadlock (InnoDB between two workers' locks; PostgreSQL too)
+# rolls the whole transaction back, so it is safe to issue again, which Optuna does not do.
+WRITES = ("create_new_study", "create_new_trial", "set_trial_param", "set_trial_state_values",
+          "set_trial_intermediate_value", "set_trial_user_attr", "set_trial_system_attr",
+          "set_study_user_attr", "set_study_system_attr", "record_heartbeat")
+TRANSIENT = ("deadlock", "lock wait timeout", "could not serialize")
+
+
+def _retrying_rdb(o):
+    """Optuna's RDBStorage whose writes are issued again (5 tries) after a deadlock."""
+    def retrying(name):
+        method = getattr(o.storages.RDBStorage, name)
+
+        def call(self, *args, **kw):
+            for attempt in range(5):
+                try:
+                    return method(self, *args, **kw)
+                except o.exceptions.StorageInternalError as e:
+                    why = str(e.__cause__ or e).lower()
+                    if attempt == 4 or not any(t in why for t in TRANSIENT):
+                        raise
+                    log.debug("%s: %s; issued again", name, why.splitlines()[0])
+                    time.sleep(0.05 * 2 ** attempt)
+        call.__name__ = name
+        return call
+
+    return type("RetryingRDBStorage", (o.storages.RDBStorage,), {n: retrying(n) for n in WRITES})
+
+
+def _mysql_driver(url: str) -> str:
+    """``mysql://`` names SQLAlchemy's default driver, mysqlclient (a C build); where it is not
+    installed, PyMySQL (the search extra's, pure Python) serves the same URL."""
+    if not url.startswith("mysql://"):
+        return url
+    import importlib.util
+
+    if importlib.util.find_spec("MySQLdb") is None and importlib.util.find_spec("pymysql") is not None:
+        return "mysql+pymysql://" + url.removeprefix("mysql://")
+    return url
 
 
 def retry_once():
