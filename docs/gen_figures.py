@@ -14,6 +14,10 @@ default ``../shared`` beside the checkout):
 - ``heatmap_chelsea.png``: ``brewnet heatmap`` of open_nsfw's last residual block on a cat.
 - ``video_frame.png``: ``brewnet video --annotate`` of CIFAR-10 full made fully convolutional, on a
   camera pan over the astronaut image (24 frames written here), keyframes every 3 frames.
+- ``search_history.png``, ``search_intermediate.png``: Optuna's optimisation history and
+  intermediate values of ``brewnet search``'s LeNet study, copied from a finished
+  ``python benchmarks/search_mnist.py --mnist DATA --out DIR`` run (about an hour on 2 cores, so
+  not run here): ``--search DIR``; without it these two are left as they are.
 """
 from __future__ import annotations
 
@@ -35,7 +39,9 @@ LENET = TRAINED / "lenet_mnist_ethereon" / "examples" / "mnist" / "lenet_iter_10
 NSFW = TRAINED / "open_nsfw"
 C10 = TRAINED / "everpeace_caffe_2014_v1format" / "examples" / "cifar10"
 IMAGES = SHARED / "caffe-models" / "images"
-FIGURES = ("train", "draw", "filters", "heatmap", "video")
+FIGURES = ("train", "draw", "filters", "heatmap", "video", "search")
+SEARCH_PLOTS = {"optimization_history.png": "search_history.png",
+                "intermediate_values.png": "search_intermediate.png"}
 
 
 def brewnet(*args: str) -> None:
@@ -100,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--log", type=Path, help="the main job's training log (default: "
                     "examples/mnist/lenet_train.log if it exists, else a short run)")
     ap.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
+    ap.add_argument("--search", type=Path, metavar="DIR",
+                    help="the --out folder of a finished benchmarks/search_mnist.py run")
     ap.add_argument("--only", default=",".join(FIGURES), help=f"some of {','.join(FIGURES)} (default: all)")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
@@ -125,8 +133,20 @@ def main(argv=None) -> int:
         heatmap(work)
     if "video" in only:
         video_frame(work)
+    if "search" in only:
+        search_plots(args.search)
     print(f"figures in {OUT}")
     return 0
+
+
+def search_plots(run: Path | None) -> None:
+    if run is None:
+        print("search: no --search DIR given, search_history.png and search_intermediate.png kept")
+        return
+    for src, dst in SEARCH_PLOTS.items():
+        if not (run / "search" / src).exists():
+            sys.exit(f"gen_figures: {run / 'search' / src} not found (a finished search_mnist.py --out?)")
+        shutil.copy(run / "search" / src, OUT / dst)
 
 
 def heatmap(work: Path) -> None:

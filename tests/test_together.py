@@ -259,6 +259,38 @@ def test_worker_threads_write_the_files_they_write_alone(setup, record_reads, ca
     assert torch.get_num_threads() == threads and all(s.threads.pinned is None for s in t.solvers)
 
 
+def test_a_dropped_solver_leaves_no_worker_idle(setup, record_reads, monkeypatch):
+    """The live solvers are dealt to the workers again each round: after solver 0 leaves, 1 and
+    2 (planned on one worker) step on a worker each, with the cores shared between them, and
+    once only 2 is left it has every core; their files are still those they write alone."""
+    from brewnet import threads as _threads
+
+    folder, write = setup
+    files = mixed(write)
+    solve_alone(files[1:], record_reads)
+    alone = snapshots(folder)
+    t = TrainTogether(files, threads=2)
+    assert t.groups == [[1, 2], [0]]
+    rounds, real = [], t._round
+    monkeypatch.setattr(t, "_round", lambda ks, runs, per: rounds.append((tuple(ks), per))
+                        or real(ks, runs, per))
+    gen = t.solving()
+    next(gen)
+    t.drop(0)
+    for _ in gen:
+        pass
+    cores = _threads.ceiling()
+    half = max(1, cores // 2)
+    assert sorted(rounds[:2]) == [((0,), half), ((1, 2), half)]     # (the workers' order varies)
+    rest = rounds[2:]
+    assert ((1,), half) in rest and ((2,), half) in rest and rest[-1] == ((2,), cores)
+    assert set(rest) <= {((1,), half), ((2,), half), ((2,), cores)}
+    together = {k: v for k, v in snapshots(folder).items() if not k.startswith("sgdq")}
+    assert together.keys() == alone.keys()
+    for name in alone:
+        assert together[name] == alone[name], name
+
+
 def test_threaded_steps_equal_sequential_ones(setup):
     _, write = setup
     files = mixed(write)
@@ -356,8 +388,8 @@ def test_worker_count_by_net_size(setup, monkeypatch):
     assert worker_count(t.solvers) == min(3, usable_cores())     # one per core
     monkeypatch.setenv("BREWNET_TOGETHER_THREADS", "2")
     assert worker_count(t.solvers) == 2 and worker_count(t.solvers, 5) == 3
-    assert plan_groups(t.solvers, {0, 2}, 2) == [[0, 2], [1]]
-    assert plan_groups(t.solvers, {0, 1, 2}, 3) == [[0, 1, 2]]
+    assert plan_groups(range(3), {0, 2}, 2) == [[0, 2], [1]]
+    assert plan_groups(range(3), {0, 1, 2}, 3) == [[0, 1, 2]]
 
 
 def test_stop_request_reaches_every_worker_thread(setup):

@@ -30,12 +30,14 @@ the solvers are split into N groups and each round runs one iteration of every s
 per thread, the rounds in lock-step (the batches kept for slower consumers stay bounded; an
 error in a thread is raised here once the round ends, naming its solver). Torch's intra-op
 count is one per process here (libgomp's for threads outside a team): the run holds it at
-cores / N (each solver's ``threads.Tuner`` pinned) and puts the count back after. Torch's
+cores / N (each solver's ``threads.Tuner`` pinned) and puts the count back after. The live
+solvers are dealt to the workers again each round, N counting the workers that got one, so a
+solver that finished or was dropped (a pruned search trial) leaves no core idle. Torch's
 global random stream is one per process too: the solvers whose nets may draw from it in a
 step (``draws_random``: Dropout, stochastic Pooling, Python or foreign layers) all step in the
 first group, one after another with their own state swapped in, and the other threads never
 touch it; data streams take a lock (the leader's read happens once, under it). So the files
-are byte-identical to each solver alone at cores / N torch threads.
+are byte-identical to each solver alone (at any thread count: ``brewnet.determinism``).
 The default, by measurement on the 2-core CPU (one step of all K nets): for LeNet
 (convolutions: torch releases the GIL in its kernels) two threads of one intra-op thread each
 took 200 ms vs 235 ms for K = 8 one after another on two intra-op threads (in
@@ -237,7 +239,7 @@ class TrainTogether:
         self.dropped: set[int] = set()
         self._active: list[int] = []
         self.drawing = {k for k, s in enumerate(self.solvers) if draws_random(s)}
-        self.groups = plan_groups(self.solvers, self.drawing, worker_count(self.solvers, threads))
+        self.groups = plan_groups(range(len(self.solvers)), self.drawing, worker_count(self.solvers, threads))
         if len(self.groups) > 1:
             log.info("Stepping the solvers on %d worker threads: %s", len(self.groups),
                      "; ".join(" ".join(self.prefixes[k].strip() for k in g) for g in self.groups))
@@ -307,30 +309,33 @@ class TrainTogether:
                     done(k)
             yield
 
-    def _round(self, ks, runs) -> list[int]:
-        """One iteration of each solver in ``ks`` (a worker thread's group); those done. Only
-        the drawing solvers swap torch's global random state: they all share one group, so
-        no other thread touches it meanwhile."""
+    def _round(self, ks, runs, per: int) -> list[int]:
+        """One iteration of each solver in ``ks`` (a worker thread's group) on ``per`` intra-op
+        threads; those done. Only the drawing solvers swap torch's global random state: they
+        all share one group, so no other thread touches it meanwhile."""
+        if torch.get_num_threads() != per:
+            torch.set_num_threads(per)
+        for k in ks:
+            self.solvers[k].threads.pinned = per
         return [k for k in ks if not self._advance(k, runs[k], swap_rng=k in self.drawing)]
 
     def _run_threaded(self, runs, active, done) -> None:
         """Rounds of one iteration per active solver, each group on its worker thread; the
         round ends when every group's has (batches kept for slower consumers stay bounded,
-        and an error surfaces here, after the other groups' iterations)."""
+        and an error surfaces here, after the other groups' iterations). The live solvers are
+        dealt to the workers again each round and the cores shared among the groups that have
+        any: a solver pruned or finished leaves no core idle (the intra-op count does not
+        change a solver's bits, ``brewnet.determinism``)."""
         from concurrent.futures import ThreadPoolExecutor
 
         total = _threads.user_threads() or _threads.ceiling()
-        per = max(1, total // len(self.groups))      # the process-wide count, for every worker
         before = torch.get_num_threads()
-        for s in self.solvers:
-            s.threads.pinned = per
-        torch.set_num_threads(per)
         try:
-            with ThreadPoolExecutor(len(self.groups), thread_name_prefix="together",
-                                    initializer=torch.set_num_threads, initargs=(per,)) as pool:
+            with ThreadPoolExecutor(len(self.groups), thread_name_prefix="together") as pool:
                 while active:
-                    live = [[k for k in g if k in active] for g in self.groups]
-                    futures = [pool.submit(self._round, g, runs) for g in live if g]
+                    live = plan_groups(active, self.drawing & set(active), len(self.groups))
+                    per = max(1, total // len(live))
+                    futures = [pool.submit(self._round, g, runs, per) for g in live]
                     finished, error = [], None
                     for f in futures:
                         try:
@@ -441,13 +446,13 @@ def worker_count(solvers, requested=None) -> int:
     return min(int(requested), len(solvers))
 
 
-def plan_groups(solvers, drawing, n: int) -> list[list[int]]:
-    """The solvers' indices in ``n`` groups, one per worker thread: every drawing solver in the
-    first (torch's random stream is one per process), the others each to the group with the
+def plan_groups(indices, drawing, n: int) -> list[list[int]]:
+    """The solvers ``indices`` in ``n`` groups, one per worker thread: every drawing solver in
+    the first (torch's random stream is one per process), the others each to the group with the
     fewest; empty groups dropped."""
     groups: list[list[int]] = [[] for _ in range(max(1, n))]
     groups[0] += sorted(drawing)
-    for k in range(len(solvers)):
+    for k in indices:
         if k not in drawing:
             min(groups, key=len).append(k)
     return [sorted(g) for g in groups if g]
