@@ -164,11 +164,18 @@ def test_exact_fused_members_are_bitwise_each_alone(lenet, kind):
 
 
 def test_wide_fused_drift_within_the_contract_on_real_mnist():
-    """The wide (default) formulation on real MNIST, 50 iterations (benchmarks/fused_drift.py's
-    run): every member's every param blob within max(1e-2, 3x the floor), the floor being how
-    far the same net alone moves when started one ulp away. Measured: 1e-6 after 10
-    iterations, then a jump (a max-pooling near-tie or arg-max that falls the other way) to
-    at most 5.7e-3 (seeds 1-8); the floor itself jumped to 2.6e-2 on seed 5."""
+    """The wide formulation on real MNIST, 50 iterations (benchmarks/fused_drift.py's run):
+    every member's every param blob within max(1e-2, 3x the floor), the floor being how far
+    the same nets alone move under float32 noise: each member started one ulp up, one ulp
+    down, and moved one ulp in a random direction before every iteration; the largest over the
+    group's members. Why the group's and not each member's: the drift is ~1e-6 until a
+    max-pooling near-tie or arg-max falls the other way, a discrete jump whose size is the
+    dynamics' (the same sizes recur: a fused 5.77e-3 where a perturbed run moved 5.78e-3) and
+    whose occurrence three samples of one member cannot bound: on an AVX-512 EPYC, seed 1's
+    member 0 jumped to 6.3e-2 fused while its perturbed runs stayed at 2e-6..2.4e-3, and the
+    group's perturbed runs moved up to 2.9e-2 (seed 8: 2.4e-2 fused, up to 9e-2 perturbed).
+    On an earlier machine the jumps were at most 5.7e-3 (seeds 1-8). That the wide form is
+    right is the float64 test's (within 1e-10); this one bounds float32's noise."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -178,23 +185,39 @@ def test_wide_fused_drift_within_the_contract_on_real_mnist():
     need(fd.T10K / "t10k-images-idx3-ubyte.gz")
     import tempfile
 
+    def nudge(s, toward):
+        with torch.no_grad():
+            for t in s.net.learnable:
+                t.copy_(torch.nextafter(t, toward(t)))
+
+    gen = torch.Generator().manual_seed(0)
+
+    def random_sign(t):
+        return torch.where(torch.rand(t.shape, generator=gen) < 0.5, float("-inf"), float("inf"))
+
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ps = fd.params(fd.prepare(work), work, 4, 1)
         fs = FusedSolvers(ps, device=DEVICE)
         fs.step(50)
+        floor, drift = 0.0, []
         for k, p in enumerate(ps):
             alone = SOLVERS[p.type](p, device=DEVICE)
             alone.step(50)
-            shifted = SOLVERS[p.type](p, device=DEVICE)
-            with torch.no_grad():
-                for t in shifted.net.learnable:
-                    t.copy_(torch.nextafter(t, torch.full_like(t, float("inf"))))
-            shifted.step(50)
             a = fd.snap(alone.net)
-            floor = fd.rel(fd.snap(shifted.net), a)
-            for name, x, y in zip(range(8), fd.snap(fs.solvers[k].net), a):
-                assert fd.rel([x], [y]) <= max(1e-2, 3 * floor), (k, name, floor)
+            for edge in (float("inf"), float("-inf"), None):
+                s = SOLVERS[p.type](p, device=DEVICE)
+                if edge is None:                      # one ulp before every iteration
+                    for _ in range(50):
+                        nudge(s, random_sign)
+                        s.step(1)
+                else:
+                    nudge(s, lambda t, e=edge: torch.full_like(t, e))
+                    s.step(50)
+                floor = max(floor, fd.rel(fd.snap(s.net), a))
+            drift += [(fd.rel([x], [y]), k, name) for name, x, y in
+                      zip(range(8), fd.snap(fs.solvers[k].net), a)]
+        assert max(drift)[0] <= max(1e-2, 3 * floor), (max(drift), floor)
 
 
 def test_log_lines_carry_the_net_prefix(lenet, caplog):
