@@ -222,7 +222,9 @@ def search_cmd(solver_file, out, storage, trials=6, group=2):
 
 def test_resume_after_kill_9(solver_file, tmp_path):
     space(tmp_path, SPACE)
-    solver_file.write_text(SOLVER.format(iters=15))
+    # 150 iterations: the last pair of trials must still be running when the watcher, reading
+    # the journal every 0.1 s on a loaded machine, sees the first two complete (15 was too few)
+    solver_file.write_text(SOLVER.format(iters=150))
     out = tmp_path / "out"
     cmd = search_cmd(solver_file, out, f"journal:{out / 'study.journal'}", trials=4)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
