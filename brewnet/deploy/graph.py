@@ -83,14 +83,18 @@ class _Tracee(torch.nn.Module):
                 for j, b in enumerate(blobs):
                     pname = names[j] if j < len(names) else f"blob{j}"
                     pnames.append(pname)
-                    if id(layer.blobs[j]) in shared and end == i:     # Caffe's shared params
-                        setattr(sub, pname, shared[id(layer.blobs[j])])
+                    # A folded chain's (weight, bias) are its own tensors, a bias included where
+                    # the convolution has none: never one of the layer's blobs, never shared.
+                    source = id(layer.blobs[j]) if end == i else None
+                    if source in shared:                       # Caffe's shared params
+                        setattr(sub, pname, shared[source])
                     elif layer.type in BUFFER_TYPES and end == i:
                         sub.register_buffer(pname, b.clone())
                     else:
                         p = torch.nn.Parameter(b.clone(), requires_grad=b.is_floating_point())
                         setattr(sub, pname, p)
-                        shared[id(layer.blobs[j])] = p
+                        if source is not None:
+                            shared[source] = p
                 self.add_module(attr, sub)
             self.steps.append((i, end, attr, pnames))
         if not net.inputs:
