@@ -51,7 +51,7 @@ import time
 
 import torch
 
-from .errors import NetError
+from .fast_path import FAILED, FastPath
 from .graph_record import unbox
 from .net import _nhwc
 from .runtime import env_switch
@@ -170,7 +170,8 @@ class LeanForward:
     def __init__(self, net):
         self.net = net
         self.calls, self._key = 0, None
-        self.gm, self.steps, self.failed = None, [], False
+        self.gm, self.steps = None, []
+        self.guard = FastPath("lean inference (repeated forwards as one graph)", net.name)
         self._nhwc_w: dict = {}                    # id(weight) -> (key, weight, NHWC copy)
         self.traces = 0                            # traces attempted (each a one-off cost)
         self._cl = net._channels_last              # the plain path's NHWC activations
@@ -182,7 +183,7 @@ class LeanForward:
 
     def eligible(self) -> bool:
         net = self.net
-        return (not self.failed and env_switch("BREWNET_LEAN", "1", ("0", "1")) == "1" and net.inputs
+        return (self.guard.off is None and env_switch("BREWNET_LEAN", "1", ("0", "1")) == "1" and net.inputs
                 and not net._needs_backward
                 and device_refusal(net.device, asked=os.environ.get("BREWNET_LEAN", "").strip() == "1") is None
                 and not any(b._viewed("data") for b in self._middle))
@@ -202,17 +203,16 @@ class LeanForward:
                 return False
             if net._current_input_shapes() != net._input_shapes:
                 net.reshape()
-            self._build()
-            if self.gm is None:
+            if self.guard.attempt(self._build) is FAILED:
+                self.gm = None
                 return False
         self.drop()                        # re-marked below, against this call's inputs
         if net._current_input_shapes() != net._input_shapes:
-            net.reshape()
-        self._bind()
+            net.reshape()                  # the user's shapes: an error here is the user's
         xs = [net.blobs[n].tensor.detach() for n in net.inputs]
-        with torch.no_grad():
-            outs = self._call([_nhwc(x) if self._cl and x.dim() == 4 else x for x in xs])
-        if outs is None:
+        outs = self.guard.attempt(self._bound_call, xs)
+        if outs is FAILED:
+            self.gm = self.captured = None
             return False
         for name, t in zip(net.outputs, outs):
             net.blobs[name].write(t)
@@ -222,10 +222,16 @@ class LeanForward:
             b._pending = self.settle
         return True
 
-    def _call(self, xs) -> tuple | None:
+    def _bound_call(self, xs) -> tuple:
+        """The graph's outputs on the input tensors ``xs``, bound to the current params."""
+        self._bind()
+        with torch.no_grad():
+            return self._call([_nhwc(x) if self._cl and x.dim() == 4 else x for x in xs])
+
+    def _call(self, xs) -> tuple:
         """The graph's outputs on ``xs``: on the CPU by calling it; on CUDA by replaying its
         capture (made, and checked bit for bit against a call, when what it reads moved).
-        None: the capture failed or differed; the net stays on the plain path."""
+        A capture that differs from its graph raises: the guard keeps the net plain."""
         if self.net.device.type != "cuda":
             out = self.gm(*xs)
             return out if isinstance(out, tuple) else (out,)
@@ -234,19 +240,11 @@ class LeanForward:
 
         addresses = tuple(t.data_ptr() for t in (*self.gm.parameters(), *self.gm.buffers()))
         if self.captured is None or addresses != self._addresses:
-            try:
-                self.captured = CapturedGraph(self.gm, xs)
-                out = self.gm(*xs)
-                want = out if isinstance(out, tuple) else (out,)
-                same = all(same_bits(a, b) for a, b in zip(self.captured(xs), want))
-            except RuntimeError as e:
-                same, want = False, str(e).splitlines()[0][:200]
-            if not same:
-                log.warning("Net '%s': the CUDA graph of repeated inference %s; the net stays "
-                            "layer by layer", self.net.name,
-                            f"failed ({want})" if isinstance(want, str) else "differs from its graph")
-                self.failed, self.captured = True, None
-                return None
+            self.captured = CapturedGraph(self.gm, xs)
+            out = self.gm(*xs)
+            want = out if isinstance(out, tuple) else (out,)
+            if not all(same_bits(a, b) for a, b in zip(self.captured(xs), want)):
+                raise RuntimeError("the CUDA graph of repeated inference differs from its graph")
             self._addresses = addresses
         return self.captured(xs)
 
@@ -284,15 +282,9 @@ class LeanForward:
         self.traces += 1
         self.captured = None
         t0 = time.perf_counter()
-        try:
-            self.gm, tracee = self._record()
-            if net.device.type == "cpu":        # CPU kernel choices (oneDNN vs im2col)
-                choose_kernels(self.gm, self._cl)
-        except (NetError, RuntimeError, ValueError, TypeError, NotImplementedError) as e:
-            self.failed = True
-            log.info("Net '%s': repeated inference stays layer by layer (no graph: %s)", net.name,
-                     str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
-            return
+        self.gm, tracee = self._record()
+        if net.device.type == "cpu":        # CPU kernel choices (oneDNN vs im2col)
+            choose_kernels(self.gm, self._cl)
         nhwc = conv_weights(self.gm) if self._cl else set()
         self.steps = [(i, end, getattr(self.gm, attr), names,
                        [f"{attr}.{n}" in nhwc for n in names])

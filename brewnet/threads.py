@@ -45,6 +45,8 @@ import weakref
 
 import torch
 
+from .fast_path import FAILED, FastPath
+
 log = logging.getLogger("brewnet")
 TINY_FLOPS = 4e6       # below this per layer and pass, threads cost more than they save
 BLOCK = 5              # recent calls on the current choice, compared with a trial
@@ -141,7 +143,9 @@ class Tuner:
         # process-wide count: no net may switch it under the others)
         self.pinned: int | None = None
         self._net = weakref.ref(net)
-        self._plan(net)
+        self.guard = FastPath("thread tuning", self.name)
+        self._t0, self.off, self.tiny, self.calls, self.choice = None, True, False, 0, ceiling()
+        self.guard.attempt(self._plan, net)      # a failure leaves the threads as they are
 
     def _plan(self, net) -> None:
         self._shapes = net._input_shapes          # re-planned when the net is reshaped
@@ -165,23 +169,27 @@ class Tuner:
         self._t0 = 0.0
 
     def __enter__(self):
+        fixed = user_threads()               # the user's setting: a bad value is their error
+        if self.guard.attempt(self._enter, fixed) is FAILED:
+            self._t0 = None
+        return self
+
+    def _enter(self, fixed: int | None) -> None:
         net = self._net()
         if net is not None and net._input_shapes is not self._shapes:
             self._plan(net)
         if self.pinned is not None:
             self._t0 = None
-            return self
-        fixed = user_threads()
+            return
         if self.off or fixed is not None:
             if fixed is not None and torch.get_num_threads() != fixed:
                 torch.set_num_threads(fixed)        # BREWNET_THREADS
             self._t0 = None
-            return self
+            return
         n = self._threads_now()
         if torch.get_num_threads() != n:
             apply(n)
         self._t0 = self.clock()
-        return self
 
     def discard(self) -> None:
         """Leave the current call out of the timing (it did one-off work: a trace)."""
@@ -190,26 +198,29 @@ class Tuner:
     def __exit__(self, *exc):
         if self._t0 is None or exc[0] is not None:
             return False
-        dt = self.clock() - self._t0
+        self.guard.attempt(self._exit, self.clock() - self._t0)
+        return False
+
+    def _exit(self, dt: float) -> None:
         self.calls += 1
         if self.tiny or ceiling() == 1:
             self.choice = 1
-            return False
+            return
         if not self.timed or self.calls <= WARMUP:
-            return False
+            return
         if self._trial is not None:
             self._trial_call(dt)
-            return False
+            return
         self._recent = (self._recent + [dt])[-BLOCK:]
         if len(self._recent) < BLOCK:
-            return False
+            return
         due = self._best_s is None or time.monotonic() - self._checked > self._wait
         # Slower on one thread is the neighbour's load: a team would only stall more.
         slower = (self._best_s is not None and self.choice > 1
                   and statistics.median(self._recent[-3:]) > 1.5 * self._best_s)
         if due or slower:
             self._trial = []
-        return False
+        return
 
     def _trial_call(self, dt: float) -> None:
         """One call on the other choice: stop at a clearly slower call, else compare medians."""

@@ -23,7 +23,7 @@ def chain_net(conv_bias: bool, scale: str | None, shared: bool, plain2: bool = F
     InnerProduct; ``scale``: None (BatchNorm alone), "bias" or "nobias"; ``shared``: conv2
     reads conv1's weights (Caffe's named params); ``plain2``: conv2 has no chain to fold."""
     def conv(name, bottom, chain=True):
-        share = f'param {{ name: "w_shared" }}' if shared else ""
+        share = 'param { name: "w_shared" }' if shared else ""
         share += ' param { name: "b_shared" }' if shared and conv_bias else ""
         text = (f'layer {{ name: "{name}" type: "Convolution" bottom: "{bottom}" top: "{name}" {share}'
                 f' convolution_param {{ num_output: 4 kernel_size: 3 pad: 1 bias_term: {str(conv_bias).lower()}'
@@ -112,3 +112,141 @@ def test_to_torch_folded_equals_the_net(combo, tmp_path):
         with torch.no_grad():
             got = gm(x).numpy()
         assert np.abs(got - want).max() <= LEAN_RTOL * np.abs(want).max(), f"fold={fold}"
+
+
+# -- no automatic fast path raises into a user's loop (brewnet/fast_path.py) --------------------
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "brewnet" and r.levelno >= logging.WARNING]
+
+
+def _eager_outputs(combo, x, monkeypatch, calls: int) -> list[np.ndarray]:
+    with monkeypatch.context() as m:
+        m.setenv("BREWNET_LEAN", "0")
+        net = _build(combo)
+        return [net.forward(data=x)["ip"].copy() for _ in range(calls)]
+
+
+@pytest.mark.parametrize("when", ["build", "call"])
+def test_a_lean_graph_that_fails_warns_once_and_the_net_goes_on_eager(when, caplog, monkeypatch):
+    """A layer failing while the graph is traced (``build``), or the graph failing at its 15th
+    call (``call``): one warning naming the net, the layer and the reason; every call returns
+    the eager outputs; the graph is never tried again."""
+    from brewnet.lean import LeanForward
+
+    monkeypatch.delenv("BREWNET_LEAN", raising=False)
+    combo = (False, "bias", False, False)
+    x = np.random.default_rng(3).standard_normal((2, 4, 9, 9)).astype(np.float32)
+    want = _eager_outputs(combo, x, monkeypatch, 1)[0]
+    net = _build(combo)
+    net.name = "guarded"
+    if when == "build":        # the InnerProduct raises when it runs on the tracee's params
+        ip = net.layer_list[[l.name for l in net.layer_list].index("ip")]
+        own, real = ip.blobs[0], ip.forward
+
+        def forward(bottoms):
+            if ip.blobs[0] is not own:
+                raise IndexError("list index out of range")
+            return real(bottoms)
+        monkeypatch.setattr(ip, "forward", forward)
+    else:
+        real_call, calls = LeanForward._call, []
+
+        def call(self, xs):
+            calls.append(1)
+            if len(calls) == 15 - 10:
+                raise RuntimeError("a kernel the graph chose failed")
+            return real_call(self, xs)
+        monkeypatch.setattr(LeanForward, "_call", call)
+    with caplog.at_level(logging.INFO, logger="brewnet"):
+        outs = [net.forward(data=x)["ip"].copy() for _ in range(CALLS + 5)]
+    warned = _warnings(caplog)
+    assert len(warned) == 1, warned
+    assert "Net 'guarded'" in warned[0] and "eager path" in warned[0]
+    if when == "build":
+        assert "'ip' (type InnerProduct)" in warned[0] and "IndexError" in warned[0]
+    else:
+        assert "a kernel the graph chose failed" in warned[0]
+    assert net._lean.guard.off is not None and net._lean.gm is None
+    assert net._lean.traces == 1
+    for i, out in enumerate(outs, 1):
+        assert np.abs(out - want).max() <= LEAN_RTOL * np.abs(want).max(), f"call {i}"
+
+
+def test_the_users_errors_still_raise_after_the_switch(monkeypatch, caplog):
+    """A wrong input shape after the lean graph took over is the user's error, raised as the
+    eager path raises it, not a warning; the graph stays on for good inputs."""
+    monkeypatch.delenv("BREWNET_LEAN", raising=False)
+    net = _build((False, "bias", False, False))
+    x = np.random.default_rng(3).standard_normal((2, 4, 9, 9)).astype(np.float32)
+    for _ in range(12):
+        net.forward(data=x)
+    assert net._lean.gm is not None
+    with caplog.at_level(logging.WARNING, logger="brewnet"), pytest.raises(ValueError, match="conv1"):
+        net.forward(data=np.zeros((2, 3, 9, 9), np.float32))
+    assert not _warnings(caplog) and net._lean.guard.off is None
+
+
+def _logreg_solver(feed):
+    from test_step_graph import LOGREG, make_solver
+    return make_solver(LOGREG, feed=feed)
+
+
+@pytest.mark.parametrize("when", ["capture", "replay"])
+def test_a_step_graph_that_fails_warns_once_and_training_goes_on_eager(when, monkeypatch, caplog):
+    """The recorded training step failing at its capture or at a replay: one warning naming
+    the net and the reason, and the run's numbers bit for bit those of the eager run."""
+    from brewnet.solvers.step_graph import StepGraph
+    from test_step_graph import logreg_feed, state
+
+    monkeypatch.setenv("BREWNET_STEP_GRAPH", "0")
+    eager = _logreg_solver(logreg_feed())
+    eager.step(40)
+    monkeypatch.setenv("BREWNET_STEP_GRAPH", "1")
+    name = "_prepare" if when == "capture" else "_run"
+    real, runs = getattr(StepGraph, name), []
+
+    def failing(self, *a):
+        runs.append(1)
+        if when == "capture" or len(runs) == 20:
+            raise RuntimeError(f"the {when} broke")
+        return real(self, *a)
+    monkeypatch.setattr(StepGraph, name, failing)
+    with caplog.at_level(logging.INFO, logger="brewnet"):
+        s = _logreg_solver(logreg_feed())
+        s.step(40)
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and "Net 'logreg'" in warned[0] and f"the {when} broke" in warned[0], warned
+    assert s._graph.guard.off is not None and s._graph.gm is None
+    for a, b in zip(state(s), state(eager)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_bad_label_in_a_replay_is_still_the_users_error(monkeypatch, caplog):
+    """The label check runs before the guarded replay: out-of-range labels raise, no warning."""
+    from brewnet.layers.base import LayerError
+    from test_step_graph import logreg_feed
+
+    monkeypatch.setenv("BREWNET_STEP_GRAPH", "1")
+    s = _logreg_solver(logreg_feed(bad_at=7))
+    with caplog.at_level(logging.WARNING, logger="brewnet"), pytest.raises(LayerError, match="out of range"):
+        s.step(20)
+    assert s._graph.gm is not None and s._graph.guard.off is None and not _warnings(caplog)
+
+
+def test_thread_tuning_that_fails_warns_once_and_the_calls_go_on(monkeypatch, caplog):
+    from brewnet import threads
+
+    monkeypatch.delenv("BREWNET_LEAN", raising=False)
+    net = _build((True, None, False, False))
+    net.name = "tuned"
+    x = np.random.default_rng(3).standard_normal((2, 4, 9, 9)).astype(np.float32)
+
+    def broken(self, dt):
+        raise ZeroDivisionError("float division by zero")
+    monkeypatch.setattr(threads.Tuner, "_exit", broken)
+    with caplog.at_level(logging.WARNING, logger="brewnet"):
+        outs = [net.forward(data=x)["ip"].copy() for _ in range(CALLS)]
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and "Net 'tuned': thread tuning failed" in warned[0], warned
+    assert np.abs(outs[-1] - outs[0]).max() <= LEAN_RTOL * np.abs(outs[0]).max()

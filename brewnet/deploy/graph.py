@@ -17,6 +17,7 @@ import re
 import torch
 
 from ..errors import NetError
+from ..fast_path import Declined
 from ..fusion import Folder
 from ..layers import functional as Fn
 from ..net import Net
@@ -64,15 +65,19 @@ class _Tracee(torch.nn.Module):
             if i <= skip_until or layer.type == "Input":
                 continue
             if layer.type in NO_GRAPH:
-                raise NetError(f"Layer '{layer.name}' (type {layer.type}) cannot be part of a "
+                raise Declined(f"Layer '{layer.name}' (type {layer.type}) cannot be part of a "
                                f"graph: it {NO_GRAPH[layer.type]}")
             if not net.bottom_lists[i] and net.top_lists[i]:
-                raise NetError(f"Layer '{layer.name}' (type {layer.type}) makes its own data; "
+                raise Declined(f"Layer '{layer.name}' (type {layer.type}) makes its own data; "
                                "export a deploy net whose inputs are Input layers")
             blobs = [b.detach() for b in layer.blobs]
             end = chains.get(i, i)
             if end != i:                       # Conv -> BatchNorm -> Scale as one convolution
-                blobs = list(folder.weights(i))
+                try:
+                    blobs = list(folder.weights(i))
+                except Exception as e:
+                    raise NetError(f"Layer '{layer.name}' (type {layer.type}): its BatchNorm/Scale "
+                                   f"cannot be folded into it: {type(e).__name__}: {e}") from e
                 skip_until = end
             attr = _attr(layer.name, taken) if blobs else None
             pnames = []
@@ -98,7 +103,7 @@ class _Tracee(torch.nn.Module):
                 self.add_module(attr, sub)
             self.steps.append((i, end, attr, pnames))
         if not net.inputs:
-            raise NetError(f"Net '{net.name}' has no Input layer: to_torch needs a deploy net")
+            raise Declined(f"Net '{net.name}' has no Input layer: to_torch needs a deploy net")
 
     def forward(self, *inputs):
         net = self.net

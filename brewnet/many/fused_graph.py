@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .. import determinism
+from ..fast_path import FastPath
 from ..graph_record import same_bits
 from ..solvers import step_graph
 from ..solvers.step_graph import PURE, _fold, as_param_grad, device_refusal, mode
@@ -72,6 +73,8 @@ class FusedStepGraph:
         self.checks: list[tuple] = []     # (layer, input index, k, ignore)
         self._pending = None              # what finish() does: ("record", ...) or ("log", ...)
         self._last_s = 1e9                # seconds the last iteration took
+        self.guard = FastPath("the fused step's recorded graph",
+                              "+".join(n.name for n in fs.fused.nets))
 
     # -- what the graph reads ------------------------------------------------------------
     def _sources(self) -> list[int]:
@@ -208,7 +211,7 @@ class FusedStepGraph:
         return got
 
     def _worth(self, iters_left: int) -> bool:
-        if self.tries >= 3:
+        if self.tries >= 3 or self.guard.off is not None:
             return False
         if mode() == "1":
             return True
@@ -292,12 +295,14 @@ class FusedStepGraph:
                     and np.array_equal(out[0], ref[0], equal_nan=True)
                     and all(same_bits(x, y) for n in ref[1] for x, y in zip(out[1][n], ref[1][n]))
                     and all(g is None or same_bits(x, g) for x, g in zip(out[3], ref[2])))
-        except (RecordError, RuntimeError) as e:
-            log.debug("fused step graph: recording failed: %s: %s", type(e).__name__, e)
+        except RecordError as e:          # the step branched on a value: declined by design
+            log.debug("fused step graph: recording declined: %s", e)
+        except Exception as e:           # noqa: BLE001 - the guard: the eager step goes on
+            self.gm = None
+            self.guard.fail(e)
         if not same:
             if self.gm is not None:
-                log.warning("fused step graph: the recorded step differs from the eager one; "
-                            "the fused nets keep the eager step")
+                self.guard.fail("the recorded step differs from the eager one")
             with torch.no_grad():
                 for t, e in zip(state, eager):
                     t.copy_(e)

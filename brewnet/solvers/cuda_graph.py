@@ -125,12 +125,9 @@ class CudaStepGraph(StepGraph):
 
     def _prepare(self, xs) -> bool:
         self.whole, self.whole_key = None, None
-        try:
-            self.captured = CapturedGraph(self.gm.forward, xs)
-        except RuntimeError as e:          # an op that cannot be captured (a host sync, ...)
-            log.warning("step graph: CUDA graph capture failed (%s); net '%s' keeps the eager "
-                        "step", str(e).splitlines()[0][:200], self.net.name)
-            return False
+        # an op that cannot be captured (a host sync...) raises: the step graph's guard logs it
+        # and keeps the eager step
+        self.captured = CapturedGraph(self.gm.forward, xs)
         return True
 
     def _run(self, xs) -> tuple:
@@ -206,7 +203,7 @@ class CudaStepGraph(StepGraph):
         try:
             self.whole = CapturedGraph(fn, [*xs, scalars], state=state)
             got = self.whole([*xs, scalars])
-        except RuntimeError as e:
+        except Exception as e:      # noqa: BLE001 - the step stays two graphs
             got, why = None, str(e).splitlines()[0][:200]
         if got is None or not (len(got) == len(ref) and all(same_bits(a, b) for a, b in zip(got, ref))
                                and all(same_bits(a, b) for a, b in zip(state, ref_state))):

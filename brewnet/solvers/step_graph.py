@@ -46,7 +46,8 @@ from contextlib import contextmanager
 import torch
 
 from .. import backprop
-from ..graph_record import same_bits, unbox
+from ..fast_path import FAILED, FastPath
+from ..graph_record import RecordError, same_bits, unbox
 from ..runtime import env_switch
 from .graph_ops import split_side_tops
 
@@ -191,6 +192,7 @@ class StepGraph:
         # refused); updated_at: the iteration whose update a replay did (update_out: its outputs)
         self.update = None
         self.updated_at, self.update_out = None, ()
+        self.guard = FastPath("the recorded training step", getattr(net, "name", ""))
 
     def wants_update(self) -> bool:
         """Whether the solver's update should be recorded for this step graph (on the CPU the
@@ -203,15 +205,21 @@ class StepGraph:
         self.drop()
         xs = self._inputs()
         if self.gm is not None and self._key(xs) == self.key:
-            return self._replay(xs)
+            self._check_labels(xs)            # the user's data: raised as the eager step would
+            if self.update:                   # the replay updates params: no going back mid-way
+                return self._replay(xs)
+            loss = self.guard.attempt(self._replay, xs)
+            if loss is not FAILED:
+                return loss
         self.gm = None
         t0 = time.perf_counter()
         loss = self._eager(xs)
         self.eager_calls += 1
-        if self.captures < 3 and self._worth(time.perf_counter() - t0):
+        if self.captures < 3 and self.guard.off is None and self._worth(time.perf_counter() - t0):
             self.captures += 1
             eager = (loss, self._written(), [p.grad for p in self._params()])
-            self.capture(xs, eager)
+            if self.guard.attempt(self.capture, xs, eager) is FAILED:
+                self.gm = None
         return loss
 
     def _worth(self, seconds: float) -> bool:
@@ -297,8 +305,8 @@ class StepGraph:
         try:
             with _deferred_label_checks(record):
                 gm = record_graph(self._traced, xs, made=True)
-        except Exception as e:       # data-dependent control flow (RecordError), a failing op
-            log.debug("step graph: trace failed: %s: %s", type(e).__name__, e)
+        except RecordError as e:     # data-dependent control flow: declined by design
+            log.debug("step graph: trace declined: %s", e)
             return False
         finally:
             for n, (t, d, owned) in saved.items():
@@ -341,9 +349,8 @@ class StepGraph:
                 and all((g is None) == (e is None) and (g is None or same_bits(g, e))
                         for g, e in zip(grads, e_grads)))
         if not same:
-            log.warning("step graph: the recorded step differs from the eager one; "
-                        "net '%s' keeps the eager step", net.name)
             self.gm, self.captures = None, 3
+            self.guard.fail("the recorded step differs from the eager one")
             return False
         log.info("Net '%s': forward and backward replayed as one %s (%d ops)", net.name,
                  self.KIND, sum(n.op == "call_function" for n in self.gm.graph.nodes))
@@ -383,9 +390,6 @@ class StepGraph:
     def _values(self, xs, lazy: bool = False):
         """(loss, {top: value}, grads) from the graph; with ``lazy``, the side tops (read by
         nothing the step needs, e.g. a TRAIN Accuracy) are left to ``self._settle``."""
-        from ..layers.loss import check_labels
-        for layer, j, k, ignore in self.checks:
-            check_labels(layer, xs[j], k, ignore)
         core = self._core_tops
         grad_mode = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)     # not torch.set_grad_enabled: an object per call
@@ -437,6 +441,12 @@ class StepGraph:
         if self.side is not None:
             for n in self.side_tops:
                 self.net.blobs[n]._pending = None
+
+    def _check_labels(self, xs) -> None:
+        """The label range checks the recording deferred, on this step's inputs."""
+        from ..layers.loss import check_labels
+        for layer, j, k, ignore in self.checks:
+            check_labels(layer, xs[j], k, ignore)
 
     def _replay(self, xs) -> torch.Tensor:
         net = self.net

@@ -207,14 +207,16 @@ def resize_threads_after(solver, iterations: int = 20) -> None:
     import time
 
     from ..data.prefetch import data_busy
+    from ..fast_path import FastPath
 
     start = {}
+    guard = FastPath("re-planning the threads", solver.net.name)
 
     def check(s=solver):
         if not start:
             start.update(iter=s.iter, t=time.perf_counter())
         elif s.iter - start["iter"] == iterations:
-            size_threads(s.net, data_busy([s.net], time.perf_counter() - start["t"]))
+            guard.attempt(lambda: size_threads(s.net, data_busy([s.net], time.perf_counter() - start["t"])))
 
     solver.add_callback(on_start=check)
 
