@@ -298,3 +298,114 @@ def test_bad_worker_flags_and_a_taken_port(tmp_path):
         r = serve("--port", str(port), "--workers", "2")
     assert r.returncode == 1, r.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# A ResNet-style deploy net: convolutions without bias, each followed by BatchNorm (stored
+# statistics) and Scale, an Eltwise SUM shortcut; as ResNet-50 and open_nsfw are built.
+RESNET = """name: "tiny_resnet"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 3 dim: 32 dim: 32 } } }
+""" + "".join(f"""
+layer {{ name: "{c}" type: "Convolution" bottom: "{b}" top: "{c}"
+        convolution_param {{ num_output: 8 kernel_size: 3 pad: 1 stride: {s} bias_term: false
+                            weight_filler {{ type: "msra" }} }} }}
+layer {{ name: "bn_{c}" type: "BatchNorm" bottom: "{c}" top: "{c}" }}
+layer {{ name: "scale_{c}" type: "Scale" bottom: "{c}" top: "{c}" scale_param {{ bias_term: true }} }}
+""" + (f'layer {{ name: "relu_{c}" type: "ReLU" bottom: "{c}" top: "{c}" }}\n' if relu else "")
+    for c, b, s, relu in [("conv1", "data", 2, True), ("res_a", "conv1", 1, True), ("res_b", "res_a", 1, False)]
+) + """
+layer { name: "res" type: "Eltwise" bottom: "conv1" bottom: "res_b" top: "res" eltwise_param { operation: SUM } }
+layer { name: "res_relu" type: "ReLU" bottom: "res" top: "res" }
+layer { name: "pool" type: "Pooling" bottom: "res" top: "pool" pooling_param { pool: AVE global_pooling: true } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc"
+        inner_product_param { num_output: 10 weight_filler { type: "xavier" }
+                              bias_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "prob" type: "Softmax" bottom: "fc" top: "prob" }
+"""
+REQUESTS = 200
+
+
+def tiny_resnet(d) -> tuple:
+    """The net above with random weights and BatchNorm/Scale values, saved as a .caffemodel."""
+    import torch
+
+    proto, weights = d / "tiny_resnet.prototxt", d / "tiny_resnet.caffemodel"
+    proto.write_text(RESNET)
+    net = Net(str(proto))
+    rng = np.random.default_rng(5)
+    with torch.no_grad():
+        for layer in net.layer_list:
+            if layer.type == "BatchNorm":
+                n = layer.blobs[0].shape[0]
+                for b, v in zip(layer.blobs, (rng.normal(0, 0.3, n), rng.random(n) + 0.5, [0.8])):
+                    b.copy_(torch.as_tensor(np.asarray(v, np.float32)).reshape(b.shape))
+            elif layer.type == "Scale":
+                for b, v in zip(layer.blobs, (1.5, 0.5)):
+                    b.copy_(torch.as_tensor(rng.normal(0, v, b.shape).astype(np.float32)))
+    net.save(str(weights))
+    return proto, weights, 10
+
+
+@pytest.mark.parametrize("model,fold", [("tiny", False), ("tiny", True), ("open_nsfw", False)],
+                         ids=["tiny-resnet", "tiny-resnet-fold", "open_nsfw"])
+def test_a_resnet_gives_the_same_answer_on_every_request(tmp_path, model, fold):
+    """One image, ``REQUESTS`` times, one after another: every request answered, every answer
+    the first's to the bit. Serve runs ``to_torch``'s graph (``--fold``: the Convolution ->
+    BatchNorm -> Scale chains folded, the code whose bias-less case crashed pycaffe's lean graph
+    at its 11th forward), not pycaffe's ``Net.forward``: no switch after N calls there, and one
+    request at a time is a batch of one each time, so the same kernels on the same numbers. A
+    prepared copy of the input (.npy) is answered as the plain forward answers it."""
+    import brewnet
+    from helpers import SHARED, need
+
+    if model == "tiny":
+        proto, weights, classes = tiny_resnet(tmp_path)
+        flags = ["--image-dims", "40,40"]
+    else:
+        root = SHARED / "caffe-models/trained/open_nsfw"
+        proto, weights, classes = need(root / "deploy.prototxt"), need(root / "resnet_50_1by2_nsfw.caffemodel"), 2
+        flags = ["--image-dims", "256,256"]
+    flags += ["--raw-scale", "255", "--channel-swap", "2,1,0", "--mean", "104,117,123"]
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "brewnet.cli", "serve", "--model", str(proto),
+                                 "--weights", str(weights), "--port", str(port), "--workers", "1",
+                                 "--top-k", str(classes), *flags, *(["--fold"] if fold else []), *GPU],
+                                env=env, stderr=err)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300      # torch's import and the net's trace, under load
+        while not worker_pids(url + "/healthz", 1, 1, lambda r: r.json()["pid"]):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+        buf = io.BytesIO()
+        Image.fromarray((np.random.default_rng(3).random((48, 56, 3)) * 255).astype(np.uint8)).save(buf, "PNG")
+        image = buf.getvalue()
+        answers = []
+        with httpx.Client(timeout=60) as c:
+            for i in range(REQUESTS):
+                r = c.post(url + "/predict", content=image, headers={"content-type": "image/png"})
+                assert r.status_code == 200, (i + 1, r.text)
+                answers.append(r.json()["top"])
+            ref = brewnet.Net(str(proto), brewnet.TEST, weights=str(weights))
+            x = np.random.default_rng(4).normal(0, 40, ref.blobs["data"].data.shape[1:]).astype(np.float32)
+            r = c.post(url + "/predict", content=npy(x), headers={"content-type": "application/x-npy"})
+            assert r.status_code == 200, r.text
+            served = r.json()["top"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert len(answers[0]) == classes
+    for i, a in enumerate(answers):
+        assert a == answers[0], f"request {i + 1} answered {a}, request 1 {answers[0]}"
+    ref.blobs["data"].data[...] = x
+    want = ref.forward()["prob"][0]
+    got = np.zeros(classes, np.float32)
+    for t in served:
+        got[t["index"]] = t["score"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
