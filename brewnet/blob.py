@@ -1,17 +1,15 @@
 """Blob: a named tensor with its diff, seen from Python as pycaffe's writable numpy arrays.
 
-On the CPU ``.data``/``.diff`` are numpy views sharing memory with the torch tensors. On CUDA
-they are host mirrors (Caffe's SyncedMemory): reading one refreshes the mirror from the device
-(in place: the same array every time) and marks it as possibly written, and the next use of
-``.tensor`` copies it back.
+On the CPU ``.data``/``.diff`` are numpy views sharing memory with the torch tensors. On CUDA they
+are host mirrors (Caffe's SyncedMemory): reading one refreshes the mirror from the device (in place:
+the same array every time) and marks it possibly written; the next use of ``.tensor`` copies it back.
 
-Memory is stable as in Caffe: the executor stores a computed value with ``write``, which copies
-into the existing memory while a numpy view of it is alive (so ``conv0 = blob.data[0, 0]`` shows
-the next forward's values) and otherwise just takes the new tensor (no copy: nobody can tell).
-A tensor taken that way may share memory with another blob (a Flatten's view, a Split's tops, a
-gradient autograd passed through), so the first view handed out of it gives the blob memory of
-its own (one copy) before anything is ever written into it.
-``reshape`` keeps the memory when the new shape fits in it (Caffe's capacity rule).
+Memory is stable as in Caffe: the executor's ``write`` copies a computed value into the existing
+memory while a numpy view of it is alive (so ``conv0 = blob.data[0, 0]`` shows the next forward's
+values), else takes the new tensor (no copy: nobody can tell). Such a tensor may share memory with
+another blob (a Flatten's view, a Split's tops, a gradient autograd passed through), so the first
+view handed out of it gives the blob memory of its own (one copy) before anything is ever written
+into it. ``reshape`` keeps the memory when the new shape fits in it (Caffe's capacity rule).
 """
 from __future__ import annotations
 

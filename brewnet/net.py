@@ -1,17 +1,13 @@
 """Net: a DAG of layers over named blobs, built from a NetParameter for one NetState.
 
-Forward runs the layers in prototxt order with torch ops and stores each top with
-``Blob.write`` (into the blob's memory while a numpy view of it is alive, as Caffe's blobs keep
-theirs). Backward is autograd, seeded as Caffe's backward is: every loss top by its loss weight
-(stored in the top's diff), every other output of the range by whatever its diff holds. In-place
-layers (top == bottom) rebind the blob name to the new value; the blob's diff is the gradient of
-the first value bound to the name, as in Caffe.
-
-One executor, two speeds. ``forward_tensors``/``backward_tensors`` run a range in one autograd
-graph (the training path). The per-layer steps ``forward_layer(i)``/``backward_layer(i)`` run one
-layer from its bottom blobs to its top blobs and from its top diffs to its bottom diffs (what
-``brewnet time`` measures, and what a backward runs where no recorded graph covers the range:
-the layer's forward is re-run under autograd on the blobs' current data, its tops untouched).
+Forward runs the layers in prototxt order with torch ops and stores each top with ``Blob.write``
+(into the blob's memory while a numpy view of it is alive, as Caffe's blobs keep theirs). Backward
+is autograd, seeded as Caffe's: every loss top by its loss weight (stored in the top's diff), every
+other output of the range by whatever its diff holds. In-place layers (top == bottom) rebind the
+blob name; its diff is the gradient of the first value bound to it, as in Caffe. One executor, two
+speeds: ``forward_tensors``/``backward_tensors`` run a range in one autograd graph (training);
+``forward_layer(i)``/``backward_layer(i)`` run one layer (``brewnet time``; and a backward where no
+recorded graph covers the range). Why, and the layout: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 
@@ -61,15 +57,12 @@ def _nhwc(t: torch.Tensor) -> torch.Tensor:
 class Net:
     """A Caffe network (the core: torch tensors; pycaffe's numpy surface is ``brewnet.Net``).
 
-    ``Net(prototxt, phase, level=0, stages=(), weights=None, device=None)``; ``prototxt`` is a
-    path, a NetParameter or prototxt text. pycaffe's older orders ``Net(prototxt, phase)`` and
-    ``Net(prototxt, weights, phase)`` are accepted too.
-
-    Public structure: ``layer_list``, ``bottom_lists``/``top_lists`` (blob names per layer),
-    ``blobs``, ``shapes`` (blob name -> shape), ``propagate_down`` (per layer and bottom: may a
-    gradient flow there, Caffe's propagate_down and AllowForceBackward), ``bottom_need_backward``
-    (Caffe's: does it get one), ``learnable_params``, ``inputs``, ``outputs``.
-    """
+    ``Net(prototxt, phase, level=0, stages=(), weights=None, device=None)``; ``prototxt`` is a path,
+    a NetParameter or prototxt text (pycaffe's older ``Net(prototxt, phase)`` and ``Net(prototxt,
+    weights, phase)`` work too). Public structure: ``layer_list``, ``bottom_lists``/``top_lists``
+    (blob names per layer), ``blobs``, ``shapes`` (blob name -> shape), ``propagate_down`` (per
+    layer and bottom: may a gradient flow there, Caffe's propagate_down and AllowForceBackward),
+    ``bottom_need_backward`` (Caffe's: does it get one), ``learnable_params``, ``inputs``, ``outputs``."""
 
     def __init__(self, net, *args, level: int = 0, stages: Sequence[str] = (), weights=None,
                  phase=None, device=None):
@@ -124,8 +117,7 @@ class Net:
         self._fed: dict[str, tuple] = {}       # step API: input blob -> (its tensor, NHWC copy)
         self._folder = Folder(self)
         self._reset_loss_diffs()
-        # oneDNN's CPU convolutions and pooling run much faster on NHWC activations
-        # (benchmarks/inference.py); CUDA keeps NCHW.
+        # CPU conv nets compute in NHWC (why: docs/internals.md, *Design notes by module*); CUDA: NCHW.
         self._channels_last = any(l.type in ("Convolution", "Deconvolution", "Pooling")
                                   for l in self.layer_list)
         if self.device.type != "cpu":
@@ -151,8 +143,7 @@ class Net:
         tops = layer.set_up([self.shapes[b] for b in bottoms])
         self._check_sizes(layer, tops, [self.shapes[b] for b in bottoms])
         for t, s in zip(lp.top, tops):
-            # An empty blob: Caffe never allocates its data, so the net fails at build time
-            # (only an Input left unshaped, (0,), waits for the user to reshape it).
+            # Caffe never allocates an empty blob's data: fail now (an Input left unshaped, (0,), waits).
             if 0 in s and not (layer.type == "Input" and s == (0,)):
                 raise NetError(f"Layer '{lp.name}' (type {lp.type}): top '{t}' has shape {s}; a "
                                "dimension of 0 (batch size 0?) makes an empty blob, whose data "
@@ -329,8 +320,7 @@ class Net:
             self.reshape()
         grad = self._needs_backward and torch.is_grad_enabled()
         if i0 == 0:
-            # Per-layer bottoms/tops as computed, for backward over any range (grad mode only:
-            # in inference they would keep every in-place intermediate alive).
+            # Per-layer bottoms/tops for any range's backward (grad mode only: they keep intermediates alive).
             self._ran = {}
         self._fed = {}
         cur: dict[str, torch.Tensor] = {}      # this pass's values, as the layers see them
@@ -377,8 +367,8 @@ class Net:
         return self._weighted_loss(losses)
 
     def add_hook(self, when: str, fn) -> None:
-        """Caffe's Net callbacks (``Net::add_before_forward`` ...): ``fn(i)`` runs before or
-        after layer ``i``'s forward or backward, every layer in order, as ``ForwardFromTo`` and
+        """Caffe's Net callbacks (``Net::add_before_forward`` ...): ``fn(i)`` runs before or after
+        layer ``i``'s forward or backward, every layer in order as ``ForwardFromTo`` and
         ``BackwardFromTo`` call them. A hooked net runs layer by layer (no fused or recorded
         passes), so each call brackets exactly its layer's work."""
         if when not in self.hooks:
@@ -425,9 +415,8 @@ class Net:
         return t
 
     def _leaf(self, name: str, grad: bool) -> torch.Tensor:
-        """A bottom read from its blob (not computed in this pass): under autograd, a leaf on
-        the blob's memory when Caffe would backpropagate to it, so a backward over the range
-        gives its diff."""
+        """A bottom read from its blob (not computed in this pass): under autograd, a leaf on the
+        blob's memory when Caffe would backpropagate to it (a backward over the range gives its diff)."""
         t = self.blobs[name].tensor
         if grad and self._blob_needs.get(name, False) and t.is_floating_point():
             return t.detach().requires_grad_(True)
@@ -448,12 +437,11 @@ class Net:
         return self._frontiers[key]
 
     def backward_tensors(self, start=None, end=None, blob_diffs: bool = True) -> None:
-        """Backpropagate over layers ``start`` down to ``end`` (default: all), seeded as Caffe:
-        loss tops by their loss weight, the range's other outputs by their diffs. Accumulates
-        parameter ``.grad`` (Caffe's param diffs); with ``blob_diffs`` also writes blob diffs
-        (an in-place blob's diff is the gradient of the value its first producer wrote).
-        Where no forward of this net recorded the range, the layers run one by one on the
-        blobs' current data and diffs (Caffe's backward needs no forward in the same process)."""
+        """Backpropagate over layers ``start`` down to ``end`` (default: all), seeded as Caffe: loss
+        tops by their loss weight, the range's other outputs by their diffs. Accumulates parameter
+        ``.grad`` (Caffe's param diffs); with ``blob_diffs`` also writes blob diffs (an in-place
+        blob's diff is the gradient of the value its first producer wrote). Where no forward of this
+        net recorded the range, the layers run one by one on the blobs' current data and diffs."""
         if not self._needs_backward:
             return
         hi = self._index(start, len(self.layer_list) - 1)
@@ -537,11 +525,11 @@ class Net:
 
     def backward_layer(self, i: int, done: set | None = None, blob_diffs: bool = True,
                        train: bool = False) -> None:
-        """Layer ``i``'s backward alone (Caffe's ``BackwardFromTo(i, i)``): from its tops' diffs
-        to its bottoms' diffs (overwritten, as Caffe's) and its params' gradients (accumulated).
-        Over a pass, ``done`` collects the blob names already given a diff, so a blob several
-        layers read sums their diffs (what Caffe's inserted Split layers do). Without a recorded
-        graph the layer's forward is re-run on the blobs' current data (tops left as they are)."""
+        """Layer ``i``'s backward alone (Caffe's ``BackwardFromTo(i, i)``): from its tops' diffs to
+        its bottoms' diffs (overwritten, as Caffe's) and its params' gradients (accumulated). Over a
+        pass, ``done`` collects the blob names already given a diff, so a blob several layers read
+        sums their diffs (what Caffe's inserted Split layers do). Without a recorded graph the
+        layer's forward is re-run on the blobs' current data (tops left as they are)."""
         layer = self.layer_list[i]
         if layer.type == "Input" or not (train or self._needs_backward):
             return

@@ -7,23 +7,9 @@ layer: built-in, plugin, or a pycaffe Python layer (through ``type: "Python"``).
     layer = create_layer('name: "n" type: "L2Normalize" bottom: "x" top: "y"')
     GradientChecker(1e-2, 1e-3).check_gradient_exhaustive(layer, [torch.randn(2, 3, 4)])
 
-Caffe's semantics:
-
-- The objective is a loss put on the tops: ``check_gradient`` uses ½·Σ top² over every top (top
-  diff = top data); the single-output checks (``check_gradient_exhaustive`` runs one per top
-  element, ``check_gradient_eltwise`` too) use 2·top[top_id][j] (diff 2 there, 0 elsewhere).
-- The analytic gradient is one backward from that top diff (autograd, or the layer's own
-  backward); the numeric one is (f(x + h) - f(x - h)) / 2h per element, with torch's RNG reseeded
-  to ``seed`` before every forward, so random layers (Dropout) draw the same values each time.
-- An element passes when |analytic - numeric| <= threshold · max(|analytic|, |numeric|, 1); one
-  whose value x has kink - kink_range <= |x| <= kink + kink_range is not compared (nonsmooth
-  points: ReLU is checked with kink 0 and a small kink_range). kink_range -1 compares everything.
-- ``check_bottom``: -1 checks every bottom and every parameter blob, i >= 0 bottom i and the
-  parameters, < -1 the parameters only.
-- The check runs in the bottoms' dtype (float64 bottoms: parameters are cast for the check).
-
-Unlike Caffe, which logs each failed EXPECT_NEAR and goes on, one GradientCheckError lists the
-mismatches; the layer's parameters and the caller's RNG state are left as they were.
+Caffe's semantics are ``GradientChecker``'s. Unlike Caffe, which logs each failed EXPECT_NEAR and
+goes on, one ``GradientCheckError`` lists the mismatches; the layer's parameters and the caller's
+RNG state are left as they were.
 """
 from __future__ import annotations
 
@@ -54,7 +40,20 @@ class CheckResult:
 
 class GradientChecker:
     """Caffe's ``GradientChecker(stepsize, threshold, seed, kink, kink_range)``: numeric against
-    analytic gradients of a layer (see the module docstring)."""
+    analytic gradients of a layer, with Caffe's semantics:
+
+    - The objective is a loss put on the tops: ``check_gradient`` uses ½·Σ top² over every top
+      (top diff = top data); the single-output checks (``check_gradient_exhaustive`` runs one per
+      top element, ``check_gradient_eltwise`` too) use ``2·top[top_id][j]`` (diff 2 there, else 0).
+    - The analytic gradient is one backward from that top diff (autograd, or the layer's own
+      backward); the numeric one is (f(x + h) - f(x - h)) / 2h per element, with torch's RNG
+      reseeded to ``seed`` before every forward, so random layers (Dropout) draw the same values.
+    - An element passes when |analytic - numeric| <= threshold · max(|analytic|, |numeric|, 1);
+      one whose value x has kink - kink_range <= |x| <= kink + kink_range, a nonsmooth point, is
+      not compared (ReLU: kink 0, a small kink_range); kink_range -1 compares everything.
+    - ``check_bottom``: -1 checks every bottom and every parameter blob, i >= 0 bottom i and the
+      parameters, < -1 the parameters only; the check runs in the bottoms' dtype (float64
+      bottoms: parameters cast to it)."""
     def __init__(self, stepsize: float = 1e-2, threshold: float = 1e-3, seed: int = 1701,
                  kink: float = 0.0, kink_range: float = -1.0):
         self.stepsize, self.threshold, self.seed = stepsize, threshold, seed

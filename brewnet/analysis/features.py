@@ -4,15 +4,12 @@ own data and keep chosen blobs, streaming, with memory flat in the number of ima
 ``batches(net, blobs, iterations)`` yields ``({blob: array (batch, ...)}, labels or None)`` per
 forward. ``FeatureWriter`` writes them as they come, by the output's extension:
 
-- ``.npy``: one ``<stem>_<blob>.npy`` per blob (and ``<stem>_labels.npy``), memory-mapped and
-  filled in place;
+- ``.npy``: a memory-mapped ``<stem>_<blob>.npy`` per blob (and ``<stem>_labels.npy``), filled in place;
 - ``.h5``: one file, a dataset per blob (and ``label``), grown batch by batch;
-- ``.lmdb``: one ``<stem>_<blob>.lmdb`` per blob in Caffe's extract_features format: a Datum
-  per image with the blob's channels/height/width (legacy axes: a (N, K) blob gives K x 1 x 1)
-  and float_data, keys ``format_int(index, 10)``, commits every 1000; the label, when the net has
-  one, in Datum.label;
-- ``.txt``: owl's matrix, one ``<stem>_<blob>.txt`` per blob, one line per image (and
-  ``<stem>_labels.txt``).
+- ``.lmdb``: one ``<stem>_<blob>.lmdb`` per blob in Caffe's extract_features format: a Datum per
+  image with the blob's channels/height/width (legacy axes: (N, K) gives K x 1 x 1), float_data,
+  keys ``format_int(index, 10)``, commits every 1000, the net's label (if any) in Datum.label;
+- ``.txt``: owl's matrix, a ``<stem>_<blob>.txt`` per blob (and ``<stem>_labels.txt``), a line per image.
 """
 from __future__ import annotations
 

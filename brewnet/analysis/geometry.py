@@ -1,20 +1,14 @@
 """Receptive fields: which pixels of the net's input each unit of a blob sees.
 
-For every N x C x H x W blob, per spatial axis: ``size`` (pixels a unit sees), ``stride``
-(pixels between neighbouring units) and ``start`` (the first pixel unit 0 sees; negative where
-the window reaches into the padding). A unit at index i sees [start + i*stride, start +
-i*stride + size - 1]. Composition rules, bottom (size b, stride s_b, start o_b) to top:
-
-- Convolution, Im2col, Pooling (kernel k, dilation d, stride s, pad p; global pooling: the whole
-  bottom): k' = (k - 1) d + 1; size b + (k' - 1) s_b, stride s_b s, start o_b - p s_b;
-- LRN WITHIN_CHANNEL: a local_size window centred on each unit (a stride-1 convolution);
-- Deconvolution (stride s): stride s_b / s, size b + (k' - 1) s_b / s, start o_b + (p - k' + 1)
-  s_b / s: the union over the units of one phase (a bound; exact for s = 1);
-- Crop: start moves by offset x s_b on each cropped spatial axis;
-- layers whose top keeps the spatial size of their bottoms (elementwise, LRN across channels,
-  BatchNorm, Concat on channels, Eltwise...): the union of their bottoms' fields;
-- anything else (InnerProduct, Reshape, SPP...): no field (an InnerProduct unit sees everything).
-Strides and starts are Fractions so deconvolutions stay exact.
+For every N x C x H x W blob, per spatial axis: ``size`` (pixels a unit sees), ``stride`` (pixels
+between neighbouring units) and ``start`` (the first pixel unit 0 sees; negative where the window
+reaches into the padding): unit i sees [start + i*stride, start + i*stride + size - 1].
+Convolution, Im2col, Pooling and LRN WITHIN_CHANNEL compose as a convolution (dilated kernel
+k' = (k - 1) d + 1: size b + (k' - 1) s_b, stride s_b s, start o_b - p s_b); Deconvolution gives
+a bound (the union over one phase's units; exact for stride 1); Crop moves the start; a layer
+that keeps its bottoms' spatial size (elementwise, BatchNorm, Concat on channels...) gives the
+union of their fields; anything else (InnerProduct, Reshape, SPP...) none. Strides and starts are
+Fractions, so deconvolutions stay exact. Every rule: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

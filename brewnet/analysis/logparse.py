@@ -2,18 +2,13 @@
 
 A row holds ``NumIters``, ``Seconds``, ``LearningRate`` and one column per net output, taken from
 ``Train net output #k: name = v`` / ``Test net output #k: name = v`` lines. Caffe's rules, kept:
-  * the clock starts at the first line containing ``Solving``; nothing before it is parsed, and
-    output lines count only once an ``Iteration N`` line has been seen;
-  * ``Seconds`` comes from the glog timestamp (``I0210 13:39:22.381027 ...``), the year from the
-    log file's ctime (glog does not write it);
-  * the learning rate is the last ``lr = x`` seen (NaN before the first), and the first row
-    borrows the second row's rate;
-  * a row starts at the first output of a new iteration; it is complete when it has as many
-    columns as the first row; an incomplete last row (an interrupted run) is dropped.
-Where Caffe's script crashes or goes wrong, this module does something sensible instead: a lone
-row (one display or one test in the whole log) is kept; a log without a ``Solving`` line is timed
-from its first timestamp; lines without a glog prefix keep the last time; a run across New Year
-does not go back in time; an empty table is written as its header only.
+the clock starts at the first line containing ``Solving`` (nothing before it is parsed; outputs
+count once an ``Iteration N`` line has been seen); ``Seconds`` comes from the glog timestamp, the
+year from the log file's ctime; the learning rate is the last ``lr = x`` seen (NaN before the
+first; the first row borrows the second row's); a row starts at the first output of a new
+iteration and is complete with as many columns as the first row (an incomplete last row is
+dropped). Where Caffe's script crashes or goes wrong this module does something sensible instead:
+docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

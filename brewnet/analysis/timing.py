@@ -1,17 +1,15 @@
 """Per-layer forward and backward timing of a Net (``brewnet time``, Caffe's ``caffe time``).
 
 The net's own per-layer steps are timed, as Caffe times ``Layer::Forward``/``Backward``:
-``Net.forward_layer(i)`` runs layer i on its bottom blobs (detached, so each layer has a graph
-of its own) and ``Net.backward_layer(i)`` goes from its top diffs to its bottom diffs and
-parameter gradients. A layer's backward therefore measures its own gradient kernels and nothing
-else. What is differentiated is what a training step computes: every learnable parameter's
-gradient, and a bottom's gradient where Caffe would compute one (``Net.bottom_need_backward``:
-labels and data blobs get none). Loss tops hold their loss weight as diff and other outputs
-zeros unless set, so a deploy net without a loss is still timed as it would train. Whole-net
-autograd (the solver's path) can overlap or fuse some of this work, so the sum of the layers can
-differ a little from one real step. This is the training path: no inference-only shortcut
-(BatchNorm folding) is taken. On CUDA the device is synchronised around every layer, as Caffe's
-timer events do.
+``Net.forward_layer(i)`` runs layer i on its bottom blobs (detached: a graph per layer) and
+``Net.backward_layer(i)`` goes from its top diffs to its bottom diffs and parameter gradients, so a
+layer's backward measures its own gradient kernels and nothing else. What is differentiated is what
+a training step computes: every learnable parameter's gradient, and a bottom's where Caffe would
+compute one (``Net.bottom_need_backward``: none for labels and data). Loss tops hold their loss
+weight as diff, other outputs zeros unless set: a deploy net without a loss is timed as it would
+train. It is the training path (no inference-only BatchNorm folding); the solver's whole-net
+autograd can overlap or fuse some of this work, so the layers' sum can differ a little from one
+real step. On CUDA the device is synchronised around every layer, as Caffe's timer events do.
 """
 from __future__ import annotations
 

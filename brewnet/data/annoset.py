@@ -1,17 +1,15 @@
 """SSD's ``create_annoset``: images and their boxes -> an LMDB of AnnotatedDatum records, and
 the label map that names the classes.
 
-Inputs (pixel coordinates, as the image is stored):
-- a list file, one ``image annotation`` pair per line (SSD's ``trainval.txt``), the annotation
-  a Pascal VOC ``.xml`` or a ``.json`` object ``{"objects": [{"label": "cat", "bbox": [xmin,
-  ymin, xmax, ymax], "difficult": 0}, ...]}``;
-- a ``.csv`` of boxes, header ``image,label,xmin,ymin,xmax,ymax[,difficult]``, one row per box;
-- a ``.json`` list of ``{"image": path, "objects": [...]}``.
-Boxes are grouped by class and numbered within it (instance_id) as the fork's
-``ReadXMLToAnnotatedDatum`` does, normalised by the image's size. Records are keyed
-``%08d_<image>`` and hold the image file's own bytes (``encoded``). A box outside the image,
-a label the map lacks, a missing or undecodable image is an error naming the record; the
-partly written database is then removed.
+Inputs (pixel coordinates, as the image is stored): a list file, one ``image annotation`` pair a
+line (SSD's ``trainval.txt``), each annotation a Pascal VOC ``.xml`` or a ``.json`` object
+``{"objects": [{"label": "cat", "bbox": [xmin, ymin, xmax, ymax], "difficult": 0}, ...]}``; a
+``.csv`` of boxes, header ``image,label,xmin,ymin,xmax,ymax[,difficult]``, one row per box; or a
+``.json`` list of ``{"image": path, "objects": [...]}``. Boxes are grouped by class and numbered
+within it (instance_id) as the fork's ``ReadXMLToAnnotatedDatum`` does, normalised by the image's
+size. Records are keyed ``%08d_<image>`` and hold the image file's own bytes (``encoded``). A box
+outside the image, a label the map lacks, a missing or undecodable image is an error naming the
+record; the partly written database is then removed.
 """
 from __future__ import annotations
 

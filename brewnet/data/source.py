@@ -4,15 +4,9 @@ serves them from a background Prefetcher and moves them to the net's device and 
 When a layer's ``data_param.prefetch`` is set, it is the queue depth (0: load in the forward
 pass). When it is unset, the layer loads its first batches in the forward pass and times them:
 it starts a producer thread (Caffe's default depth, 4) only when loading a batch takes at least
-``AUTO_MIN_S`` and at least ``AUTO_SHARE`` of the time between forwards. A thread can hide no
-more than the loading, and handing batches across threads costs its own: the producer's Python
-(Datum parsing, cursor moves) holds the GIL, so the main thread waits to re-take it after every
-torch op. On a 2-core machine, with raw MNIST records (0.1-0.5 ms a batch), a thread made a
-single InnerProduct's step 1.06-1.24x slower (2.4x before batches were read as one array) and
-LeNet's 0.87-1.03x, no steady difference (benchmarks/small_nets.py's nets, alternating blocks
-in one process, load 4-6). A layer decoding JPEGs (OpenCV releases the GIL) spends
-milliseconds a batch and, unless its net's step is far longer, gets the thread. Either way the
-batches are the same: the thread only runs the same loader ahead.
+``AUTO_MIN_S`` and at least ``AUTO_SHARE`` of the time between forwards. Either way the batches
+are the same: the thread only runs the same loader ahead.
+Why, and the measurements: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """WindowData: R-CNN's window sampler (foreground/background windows warped to crop_size).
 
-Window file, repeated per image::
-
-    # image_index
-    image_path
-    channels
-    height
-    width
-    num_windows
-    class_index overlap x1 y1 x2 y2      (num_windows lines, pixel corners inclusive)
-
-Windows with overlap >= fg_threshold are foreground (class > 0 required), < bg_threshold are
-background (label 0); the rest are dropped.
+Window file, repeated per image: a ``# image_index`` line, then one line each for image_path,
+channels, height, width and num_windows, then num_windows lines ``class_index overlap x1 y1 x2
+y2`` (pixel corners inclusive). Windows with overlap >= fg_threshold are foreground (class > 0
+required), < bg_threshold are background (label 0); the rest are dropped.
 """
 from __future__ import annotations
 

@@ -1,18 +1,15 @@
 """Recurrent layers: RNN, LSTM and the single-step LSTMUnit, with Caffe's exact semantics.
 
-Caffe builds RNN/LSTM as an unrolled internal net (``recurrent_layer.cpp``, ``rnn_layer.cpp``,
-``lstm_layer.cpp``); here the same equations run as a loop over time, vectorised over the batch
-and hidden units. The parameter blobs are the unrolled net's learnable params in Caffe's order:
+The parameter blobs are the learnable params of Caffe's unrolled net, in its order (run here as a
+loop over time: docs/internals.md, *Design notes by module*); I = count(x, 2), S = count(x_static, 1):
 
     RNN:  W_xh (H, I), b_h (H), [W_xh_static (H, S)], W_hh (H, H), W_ho (H, H), b_o (H)
     LSTM: W_xc (4H, I), b_c (4H), [W_xc_static (4H, S)], W_hc (4H, H)     gates i, f, o, g
 
-with I = count(x, 2) and S = count(x_static, 1). Sequence continuation: ``cont_t`` multiplies
-h_{t-1} (and the LSTM's c_{t-1}), so 0 starts a new sequence. Without ``expose_hidden`` the layer
-keeps h_T (c_T) between forward calls as Caffe does (a batch with cont 1 at t=0 continues the
-previous batch); no gradient crosses batches. With ``expose_hidden`` the extra bottoms h0 [c0] are
-used as the initial state and the extra tops give h_T [c_T]; Caffe shares only their data, so no
-diff reaches h0/c0 and diffs given to h_T/c_T are ignored.
+``cont_t`` multiplies h_{t-1} (and the LSTM's c_{t-1}): 0 starts a new sequence. Without
+``expose_hidden`` h_T (c_T) is kept between forwards as in Caffe (cont 1 at t=0 continues the
+previous batch; no gradient crosses batches); with it, bottoms h0 [c0] are the initial state and
+tops give h_T [c_T], sharing only data as Caffe: no diff reaches h0/c0, diffs to h_T/c_T are ignored.
 """
 from __future__ import annotations
 

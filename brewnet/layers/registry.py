@@ -1,17 +1,15 @@
 """The registry of layer classes keyed by Caffe's type strings (Caffe's ``LayerRegistry``).
 
-Built-in layers register with ``register`` as their modules are imported. Plugins, layers written
-outside brewnet against ``brewnet.layers.Layer``, register with ``register_layer`` (re-exported as
-``brewnet.register_layer``) in user code, or come from installed distributions that declare an
-entry point in the ``brewnet.layers`` group (pyproject.toml)::
+Built-in layers ``register`` as their modules are imported. Plugins (``brewnet.layers.Layer``
+subclasses written outside brewnet) register with ``register_layer`` (``brewnet.register_layer``)
+in user code, or come from an installed distribution's entry points, in its pyproject.toml::
 
     [project.entry-points."brewnet.layers"]
     L2Normalize = "my_layers:L2Normalize"   # a Layer subclass: registered under the entry's name
     my_layers = "my_layers"                 # or a module whose @register_layer classes register
 
-Entry points are imported lazily, all of them, the first time a prototxt names a type that is
-not registered, and whenever every type is listed (``layer_types``, unknown-type errors). So a
-plugin that overrides a built-in type takes effect only once imported: import it yourself.
+Entry points load lazily, all of them, at the first unregistered type a prototxt names and whenever
+every type is listed (``layer_types``, unknown-type errors): to override a built-in, import the plugin.
 """
 from __future__ import annotations
 

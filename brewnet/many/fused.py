@@ -1,59 +1,15 @@
 """Fused training: K solvers over nets of one architecture as one net of wide operators, their
 update rules applied in one pass over stacked parameters and histories (HFTA, MLSys 2021).
 
-``FusedSolvers(solver_params, device=None)`` builds each net alone with its own solver (so its
-fillers draw from its own ``random_seed``, exactly as it would alone), checks the nets are one
-architecture (``FuseError`` names the first layer and field that differ; a sweep may vary
-fillers, lr_mult/decay_mult and every solver field but ``iter_size``), then stacks their
-parameters and histories (``fused_layers.stack_params``): each net's layers keep views of its
-row, so ``fs.solvers[k].net``, its test nets and its ``snapshot()`` see the fused values with
-no copy. One data layer (net 0's) is read per batch and fed to all K.
-
-Each net keeps its own solver type, lr policy, momentum, decay, regularisation, clipping,
-``display``, ``test_interval``/``test_iter`` (its own test nets, run as it would alone: its
-outputs are exactly its Test lines), ``snapshot``/``snapshot_prefix`` and ``max_iter``; its log
-lines start with ``[sK] ``. Updates are grouped by solver type: nets are stacked sorted by (type,
--max_iter), so each group is a contiguous slice whose still-running nets are a prefix of it.
-
-Two formulations (``exact``; ``brewnet train --fuse [wide|exact]``):
-
-- **wide** (the default): the grouped convolutions and batched products below. In float64
-  (``dtype``) each net equals its solver alone to ~1e-13 relative; in float32 they sum in
-  another order than each net's own kernels (~1e-6 after a step), and training carries that
-  on until a max-pooling near-tie or arg-max falls the other way, a jump to ~1e-3 (real MNIST,
-  50 iterations: at most 5.7e-3, where the same net alone started one ulp away moved up to
-  2.6e-2; ``benchmarks/fused_drift.py``). The loss (the stacked last-axis softmax) and SGD's
-  update round as alone.
-- **exact**: each net's own Convolution and InnerProduct kernels on its slice (and Adam's and
-  Nesterov's updates per net): every net bit for bit its run alone (500 iterations on real
-  MNIST), at about one-by-one speed (``benchmarks/many_nets.py``: LeNet K = 8 0.9x one-by-one,
-  wide 1.5x); it still reads the data once.
-
-The fused step of all K (forward, backward, every running net's update, its rates and
-clipping scales as tensors) is replayed as one recorded graph, and on CUDA as one captured CUDA
-graph, where ``brewnet/many/fused_graph.py`` accepts the nets (as the step graph: asked with
-``BREWNET_STEP_GRAPH=1``, else for long runs of fast steps; checked bit for bit at recording).
-
-Dropout masks and random transforms come from one stream for all K (alone, each net draws its
-own), so nets with them are bitwise in neither.
-
-Formulation, chosen by measurement (``benchmarks/fused.py --formulations``: one forward and
-backward of K nets in plain torch, ms, 1 thread, medians of 7 on the shared 2-core CPU under a
-load average of ~20, so compare within a row):
-
-    K:                       1      2      4      8
-    LeNet loop (K nets)    126    223    541   1134
-    LeNet wide, NCHW       120    238    592   1304
-    LeNet wide, NHWC        79    139    447    850
-    LeNet vmap             133    289    780   1497
-    ip net loop / wide    0.4/0.4  0.7/0.5  1.2/0.8  1.8/4.2;  vmap 6-10 ms at every K
-
-Explicit wide operators in channels_last win for LeNet (oneDNN's grouped kernels are ~2x faster
-in NHWC than in NCHW, and beat K separate convolutions); ``torch.func`` vmap pays a fixed few ms
-per call (more than the ip net's whole step) on top of the same batched kernels. For the ip
-net the compute is tiny either way: what fusing saves there is the
-K-fold per-step overhead of K solvers (data, Python, K small updates), not FLOPs. Explicit ops
-also keep Caffe's layer semantics (its pooling and loss functions run unchanged).
+``FusedSolvers(solver_params, device=None)`` builds each net alone with its own solver (its own
+``random_seed``), refuses nets of two architectures (``FuseError`` names the first layer and field
+that differ) and stacks their parameters (``fused_layers.stack_params``): ``fs.solvers[k].net``,
+its test nets and ``snapshot()`` see the fused values, no copy. Net 0's data layer is read once a
+batch for all K; each net keeps its own solver, tests (its exact Test lines), snapshots and
+``max_iter``, its log lines prefixed ``[sK] ``. ``exact`` (``brewnet train --fuse [wide|exact]``):
+wide, the default, sums float32 in another order than a net alone; exact runs each net's own
+kernels, bit for bit its run alone. Dropout and random transforms draw from one stream for all K.
+Why, the step graph and the measurements: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

@@ -1,22 +1,15 @@
 """The fused net: K nets of one architecture run as one net of wide operators (HFTA's fusion).
 
-A value of the fused net is held in one of four layouts (``Val.kind``):
-
-- ``shared``: what every net sees alike, (N, ...): the data layer's tops, read once.
-- ``chan``: spatial features stacked on the channel axis, (N, K*C, H, W), net k's channels at
-  [k*C, (k+1)*C): a first convolution on a shared input is one convolution with K times the
-  filters, later ones are grouped (groups K*g); pooling, ReLU and friends run on it unchanged.
-- ``stack``: per-net matrices stacked on a new first axis, (K, N, D): InnerProduct is one
-  ``baddbmm`` (on a shared input: one ``addmm`` with the K weight matrices side by side).
-- ``list``: K separate tensors: what losses and accuracies give (each net's own loss layer, on
-  its slice of the stacked scores, so its normalisation is exactly the net's alone).
-
-An exact FusedNet (``exact=True``) runs Convolution and InnerProduct per net instead, each on
-its own slice with its own kernel (``EXACT``), so every net's sums are the ones it does alone.
-
-Parameters are stacked per learnable index, (K, *shape); each net's own layers are re-pointed at
-views of them (``stack_params``), so a net's snapshot, test net and ``.net`` read the fused
-values without copies. A layer type without a wide form is refused (``FuseError``).
+A value of the fused net is held in one of four layouts (``Val.kind``): ``shared`` (N, ...), what
+every net sees alike (the data tops, read once); ``chan`` (N, K*C, H, W), net k's channels at
+[k*C, (k+1)*C); ``stack`` (K, N, D), per-net matrices stacked (InnerProduct: one ``baddbmm``);
+``list``, K tensors (each net's own loss layer on its slice of the stacked scores, so its
+normalisation is exactly the net's alone). ``exact=True`` runs Convolution and InnerProduct per
+net on its own slice with its own kernel (``EXACT``): every net's sums are the ones it does alone.
+Parameters are stacked per learnable index, (K, *shape), and each net's own layers re-pointed at
+views of them (``stack_params``): its snapshot, test net and ``.net`` read the fused values without
+copies. A layer type without a wide form is refused (``FuseError``).
+How each layout computes, and the measurements: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 
@@ -141,7 +134,7 @@ def _conv(fn, layer, ins, params, k):
         return [Val("chan", torch.cat(ys, 1))]
     b = params[1].reshape(-1) if layer.bias_term else None  # (K*O,)
     t = x.t
-    if t.device.type == "cpu" and t.dim() == 4:   # oneDNN's grouped kernels: ~2x faster in NHWC
+    if t.device.type == "cpu" and t.dim() == 4:   # oneDNN's grouped kernels are faster in NHWC
         t = _nhwc(t)
     if x.kind == "shared" and layer.group > 1:              # each net's groups on its own copy
         t = t.repeat(1, k, *([1] * (t.dim() - 2)))
@@ -185,7 +178,7 @@ def _inner_product(fn, layer, ins, params, k):
 class _WideProduct(torch.autograd.Function):
     """K nets' InnerProducts as batched products, (K, N, D) x (K, D, O) + (K, O): forward and
     backward with MKL on torch's threads when large (a training thread keeps MKL on one,
-    brewnet/determinism.py: right for small products, 1.2x slower for LeNet's ip1 x 8)."""
+    brewnet/determinism.py; why: docs/internals.md, *Design notes by module*)."""
 
     @staticmethod
     def forward(ctx, xs, wt, b):

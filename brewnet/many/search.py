@@ -1,28 +1,15 @@
 """``brewnet search``: Optuna asks, brewnet trains up to K trials at a time on one data stream.
 
-``Search(solver, space, trials=N, group=K, ...)``: ``run()`` asks the study for up to K trials
-(ask-and-tell), applies each one's values to the solver and its nets (``space.Space``) and
-trains them in groups: those whose nets came out alike fused (``FusedSolvers``; by default
-its exact formulation, each net's own kernels, so a trial's numbers are those of training it
-alone whichever group it is in, and a member leaving changes no other's bits; ``exact=False``:
-the faster wide one, whose float32 sums depend on the group's width), the others together
-(``TrainTogether``), each batch read once per group. On the CPU the exact form runs the nets'
-kernels one after another, slower than training them together on worker threads (the same
-bits: ``benchmarks/search_engines.py``), so there, unless ``fuse=True`` or ``exact=False``, the
-trials asked at once are all one together group. At each test (every
-``test_interval``; not the one at iteration 0, which tells nothing of a setting) each net's
-objective, a named TEST output, is reported to its trial; a trial the pruner stops leaves its
-group at once (``drop``: the others go on with the bits they would have had) and the freed slot
-starts the next trial in a new group beside the running ones. A trial's objective is its last
-test's value. Groups take turns an iteration at a time.
-
-Each trial lives in ``OUT/trials/<number>/``: its solver and net prototxts, its last snapshot
-(``snapshot`` is off, ``snapshot_after_train`` on: a trial restarts from scratch when retried),
-its own log ``train.log``. Trials whose solver sets no ``random_seed`` get ``seed`` (default
-1701): every trial starts from the same draw unless the space searches ``random_seed``. With
-``seed`` given, the sampler is seeded per trial by its number, so a search run again in one
-worker asks the same trials and gets the same objectives. ``trials`` counts the study's trials
-over every worker (a retry of a dead worker's trial counts once).
+``Search(solver, space, trials=N, group=K, ...)``: ``run()`` asks the study for up to K trials,
+applies each one's values (``space.Space``) and trains them in groups, each batch read once per
+group: nets that came out alike fused (``FusedSolvers``, exact by default: a trial's numbers are
+those of training it alone, whatever its group; ``exact=False``: the faster wide form), the others
+together (``TrainTogether``); on the CPU, unless ``fuse=True`` or ``exact=False``, all in one
+together group. Each test but iteration 0's reports a named TEST output to the trial, whose
+objective is the last one; a pruned trial leaves its group at once and its slot starts the next.
+A trial lives in ``OUT/trials/<number>/`` (its prototxts, last snapshot and ``train.log``);
+solvers without a ``random_seed`` get ``seed`` (1701), which also seeds the sampler per trial.
+Why, and the rules in full: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

@@ -2,19 +2,14 @@
 to try, checked against the schema and the solver's own nets before anything trains.
 
     base_lr: {log_uniform: [1.0e-4, 1.0e-1]}   # a float, uniform in log space
-    momentum: {uniform: [0.8, 0.99]}            # a float ({..., step: 0.01} for a grid of them)
-    lr_policy: [step, inv]                      # one of a list ({choice: [...]} says the same)
-    conv1.num_output: {int: [8, 64, step 4]}    # an integer (or {int: [8, 64], step: 4})
-    ip1.num_output: {log_int: [100, 1000]}      # an integer, uniform in log space
-    drop1.dropout_ratio: {uniform: [0.2, 0.7]}
+    lr_policy: [step, inv]                      # one of a list
+    conv1.num_output: {int: [8, 64, step 4]}    # an integer
     weight_decay: 0.0005                        # one value: every trial gets it
 
-A key without a dot is a SolverParameter field; ``LAYER.FIELD`` is a field of that layer's own
-parameter message (``conv1.num_output`` is ``convolution_param.num_output``; the message may be
-named too: ``conv1.convolution_param.num_output``), in every net of the solver that has the layer
-(the train and the test net of one ``net`` file alike). A repeated field (``kernel_size``) gets
-the one value. Values are checked as ``brewnet sweep --set`` checks them; every error names the
-file and the key. ``Space.apply(params)`` gives a trial's SolverParameter with its nets inline.
+A key without a dot is a SolverParameter field; ``LAYER.FIELD`` a field of that layer's own
+parameter message (``conv1.num_output`` is ``convolution_param.num_output``), in every net of the
+solver that has the layer. Every error names the file and the key. ``Space.apply(params)`` gives a
+trial's SolverParameter with its nets inline. All forms: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

@@ -2,17 +2,14 @@
 
 owl drove Caffe-format nets with a few tool classes (``owl.net.trainer``: ``NetTrainer``,
 ``NetTester``, ``MultiviewTester``, ``FeatureExtractor``, ``FilterVisualizer``,
-``HeatmapVisualizer``) and its scripts (``scripts/learning/*.py``; here ``brewnet owl ...``).
-Through ``brewnet run`` (``owl`` -> ``brewnet.owl``) those scripts run unchanged. This module
-holds the device calls they make: ``initialize``, ``create_cpu_device``, ``create_gpu_device``,
-``set_device``, ``wait_for_all``, ``has_mpi`` (and ``has_cuda``, ``get_gpu_device_count``,
-``from_numpy``).
+``HeatmapVisualizer``) and its scripts (``scripts/learning/*.py``; here ``brewnet owl ...``), which
+run unchanged through ``brewnet run`` (``owl`` -> ``brewnet.owl``). This module holds the device
+calls they make: ``initialize``, ``create_cpu_device``, ``create_gpu_device``, ``set_device``,
+``wait_for_all``, ``has_mpi`` (and ``has_cuda``, ``get_gpu_device_count``, ``from_numpy``).
 
-A device is a ``torch.device``. Minerva ran on GPUs only for its nets; here
-``create_gpu_device(i)`` on a machine without CUDA device ``i`` warns once and gives the CPU,
-as pycaffe's ``set_mode_gpu`` does, so a script written for a GPU still runs. ``set_device``
-makes a device the one new nets are built on. Minerva evaluated lazily (``wait_for_all`` was its
-barrier); torch runs eagerly, so ``wait_for_all`` only waits for queued CUDA work.
+A device is a ``torch.device``; ``set_device`` picks the one new nets are built on. Without CUDA
+device ``i``, ``create_gpu_device(i)`` warns once and gives the CPU (as pycaffe's ``set_mode_gpu``).
+``wait_for_all`` waits for queued CUDA work only. Why: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

@@ -1,17 +1,15 @@
 """Data-parallel replicas of one Solver (Caffe 1.0's ``NCCL`` solver callback, on torch.distributed).
 
-Caffe 1.0's rule: each worker runs the prototxt's batch on its own shard of the records; before
-the update the param diffs are summed over the workers and scaled by 1/N (``ncclAllReduce`` then
-``caffe_gpu_scal(1/solver_count)``), so every replica applies the same update: that of one
-process on the N x batch_size records (the loss is a mean over the batch). Replicas start
-identical (rank 0's params broadcast). Clipping, iter_size normalisation and weight decay then
-run on the summed diffs, as in Caffe, where ``on_gradients_ready`` precedes ``ApplyUpdate``.
-
-Overlap (Caffe's ``layer_wise_reduce``, DDP's buckets): params are grouped, in the order the
-backward pass finishes them (last layer first), into buckets of about ``bucket_mb``; a hook on
-each param (``register_post_accumulate_grad_hook``) counts its gradients, and when every param
-of a bucket has its last one (``iter_size`` backward passes) the bucket's allreduce starts, async,
-while the backward pass goes on. The solver's ``on_gradients`` callback waits for them.
+As in Caffe 1.0, each worker runs the prototxt's batch on its own shard of the records; before the
+update the param diffs are summed over the workers and scaled by 1/N (``ncclAllReduce`` then
+``caffe_gpu_scal(1/solver_count)``), so every replica applies the same update: that of one process
+on the N x batch_size records (the loss is a mean over the batch). Replicas start identical (rank
+0's params broadcast). Clipping, iter_size normalisation and weight decay then run on the summed
+diffs, as in Caffe, where ``on_gradients_ready`` precedes ``ApplyUpdate``. Overlap (Caffe's
+``layer_wise_reduce``, DDP's buckets): params are grouped, in backward's order (last layer first),
+into buckets of about ``bucket_mb``; a ``register_post_accumulate_grad_hook`` per param counts its
+gradients and, once a bucket's params all have their last one (``iter_size`` backwards), starts its
+async allreduce while backward goes on; the solver's ``on_gradients`` waits for them.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""pycaffe's NetSpec: write a NetParameter in Python.
+"""pycaffe's NetSpec: write a NetParameter in Python (``n.to_proto()`` gives it).
 
     from brewnet import layers as L, params as P, NetSpec
     n = NetSpec()
@@ -6,12 +6,10 @@
     n.conv = L.Convolution(n.data, num_output=20, kernel_size=5, weight_filler=dict(type="xavier"))
     n.pool = L.Pooling(n.conv, pool=P.Pooling.MAX, kernel_size=2, stride=2)
     n.loss = L.SoftmaxWithLoss(L.InnerProduct(n.pool, num_output=10), n.label)
-    print(n.to_proto())
 
 Keyword arguments go to the layer's ``<type>_param`` message when it has that field, else to the
-LayerParameter itself (``include``, ``loss_weight``...); names ending in ``param`` always go to
-the LayerParameter. Lists fill repeated fields, dicts fill messages. ``ntop`` and ``in_place``
-shape the tops. Unnamed tops are called ``<Type><n>``.
+LayerParameter (``include``, ``loss_weight``...; names ending in ``param`` always). Lists fill
+repeated fields, dicts messages; ``ntop`` and ``in_place`` shape the tops; unnamed tops: ``<Type><n>``.
 """
 from __future__ import annotations
 

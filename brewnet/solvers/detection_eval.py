@@ -2,21 +2,14 @@
 "detection"``) and its mAP (``ComputeAP`` in ``util/bbox_util.cpp``), from DetectionEvaluate's
 rows; ``brewnet test`` scores a detection net with the same maths.
 
-Each test batch gives a DetectionEvaluate top of rows [item, label, value, tp, fp]: item -1
-rows add ``value`` ground-truth boxes to ``label``'s count; the others are one detection of
-score ``value``, true or false positive (rows with tp = fp = 0 matched a difficult box and are
-skipped). Over the batches, per label, the detections sorted by score (stable) give precision
-and recall; AP is the ``ap_version``: '11point' (VOC2007: the best precision at recall >= 0,
-0.1, ..., 1, averaged), 'MaxIntegral' (VOC2012/ILSVRC: the area under the precision made
-monotone) or 'Integral' (the area under the raw curve). mAP averages AP over the labels that
-have ground truth. Arithmetic in float32, as the fork's.
-
-The solver's test pass (``Solver.test``) accumulates one DetectionMAP per test net output and
-logs, as the fork, ``classN: AP`` per label (``show_per_class_result``) and then
-``    Test net output #i: name = mAP``. Differs from the fork: an output without a single
-detection over the test batches logs its mAP (0) where the fork logs nothing for it (or stops,
-when a later output has detections), and the solver checks eval_type, ap_version and the test
-nets' outputs when it is built rather than at the first test.
+Each test batch's DetectionEvaluate top holds rows [item, label, value, tp, fp]: item -1 rows add
+``value`` ground-truth boxes to ``label``'s count; the others are one detection of score ``value``,
+a true or false positive (tp = fp = 0: it matched a difficult box and is skipped). Per label, the
+detections sorted by score (stable) give precision and recall, AP is the ``ap_version`` (11point,
+MaxIntegral or Integral) and mAP its mean over the labels that have ground truth, in float32 as
+the fork's. ``Solver.test`` keeps one DetectionMAP per test net output and logs, as the fork,
+``classN: AP`` per label (``show_per_class_result``), then ``    Test net output #i: name = mAP``.
+The AP versions, and where this differs from the fork: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

@@ -1,17 +1,15 @@
-"""``brewnet owl SCRIPT ...``: Minerva's ``scripts/learning`` (and its earlier ``multiview_test``)
-with their positional arguments, on ``brewnet.owl``'s tool classes.
+"""``brewnet owl SCRIPT ...``: Minerva's ``scripts/learning`` and ``multiview_test``, on ``brewnet.owl``.
 
     brewnet owl net_trainer SOLVER [SNAPSHOT [NUM_GPU [SYNC_FREQ]]] [--batch-rule split|full]
     brewnet owl net_tester SOLVER SOFTMAX_LAYER ACCURACY_LAYER [SNAPSHOT [GPU_IDX [MULTIVIEW]]]
-    brewnet owl multiview_test SOLVER SOFTMAX_LAYER [SNAPSHOT [GPU_IDX]]
+    brewnet owl multiview_test SOLVER SOFTMAX_LAYER [SNAPSHOT [GPU_IDX]]         # owl's earlier script
     brewnet owl feature_extractor SOLVER LAYER FEATURE_PATH [SNAPSHOT [GPU_IDX]]
     brewnet owl heatmap_visualizer SOLVER LAYER RESULT_PATH [SNAPSHOT [GPU_IDX]]
     brewnet owl filter_visualizer SOLVER LAYER RESULT_PATH [SNAPSHOT [GPU_IDX]]
 
-SNAPSHOT is owl's snapshot index (iteration = index x the solver's ``snapshot``), default 0;
-the trailing arguments default as in owl's README (GPU_IDX 0; owl's multiview_test took
-``-g``, default 1). owl's lines go to stdout, brewnet's log to
-stderr. NUM_GPU devices beyond this machine's GPUs are CPU worker processes.
+SNAPSHOT is owl's snapshot index (iteration = index x the solver's ``snapshot``), default 0; the
+trailing arguments default as in owl's README (GPU_IDX 0; owl's multiview_test took ``-g``, default
+1). owl's lines go to stdout, brewnet's log to stderr; NUM_GPU beyond the GPUs: CPU worker processes.
 """
 from __future__ import annotations
 

@@ -1,18 +1,15 @@
-"""``brewnet test --model M --weights W --iterations N``: Caffe's ``caffe test``, and owl's
-multi-view tester.
+"""``brewnet test --model M --weights W --iterations N``: ``caffe test``, and owl's multi-view tester.
 
-Builds the net in the TEST phase (with ``--level``/``--stage``), loads the weights and runs
-``iterations`` forward passes; logs each output element per batch (``Batch i, name = v``), then
-the mean loss (``Loss: L``) and each output's mean (``name = m``, with ``(* w = l loss)`` for
-loss outputs), in Caffe's words and order. The net must read its own data (Data, ImageData,
-HDF5Data, DummyData...); Input blobs stay as they are (zeros), as with Caffe.
-
-With ``--views 10``, ``--top-k`` or ``--images`` it scores class probabilities instead
-(``brewnet.analysis.multiview``): ``--views 10`` averages ``--output`` (default: the Softmax
-top) over the 10 oversampled crops, taken before the Data/ImageData layer's crop (``--pad P``
-for a net that does not crop); ``--images list.txt`` ('path label' lines) feeds a deploy net
-image files prepared as pycaffe's ``Classifier.predict`` does; ``--top-k 1,5`` is the accuracy
-reported, per batch with its running mean and in a summary.
+Builds the net in the TEST phase (``--level``/``--stage``), loads the weights and runs
+``iterations`` forwards, logging in Caffe's words and order each output element per batch
+(``Batch i, name = v``), then the mean loss (``Loss: L``) and each output's mean (``name = m``,
+with ``(* w = l loss)`` for loss outputs). The net must read its own data (Data, ImageData,
+HDF5Data, DummyData...); Input blobs stay zeros, as with Caffe. ``--views 10``, ``--top-k`` or
+``--images`` score class probabilities instead (``brewnet.analysis.multiview``): ``--views 10``
+averages ``--output`` (default: the Softmax top) over the 10 oversampled crops, taken before the
+Data/ImageData layer's crop (``--pad P`` for a net that does not crop); ``--images list.txt``
+('path label' lines) feeds a deploy net image files prepared as pycaffe's ``Classifier.predict``
+does; ``--top-k 1,5`` reports the accuracy per batch, with its running mean, and in a summary.
 """
 from __future__ import annotations
 

@@ -1,25 +1,15 @@
 """owl's tool classes (``owl.net.trainer``), as owl's users call them, on brewnet's core.
 
-Each takes Minerva's arguments, has ``build_net()`` (read the solver and its net, build the
-nets, load owl's snapshot *index*: ``net_helper``; ``run`` calls it when it has not run) and
-``run(...)``, and prints owl's lines on stdout (brewnet's own log stays on stderr). The work is the core's:
-
-- ``NetTrainer``: a brewnet Solver (any type and lr policy of the solver file); several devices
-  (``num_gpu``; CPU worker processes where this machine has fewer GPUs) are
-  ``brewnet.parallel``'s workers. ``batch_rule="split"`` (owl's, the default) gives each of N
-  devices batch_size / N of the prototxt's batch, so N devices train as one process on the
-  whole batch; ``"full"`` is Caffe 1.0's (each device the whole batch). Tests (owl's
-  "Testing Accuracy") and snapshots (by index) fall at owl's iterations.
-- ``NetTester`` / ``MultiviewTester``: the accuracy layer per batch (``brewnet test``), or the
-  softmax summed over the 10 oversampled views (``brewnet test --views 10``,
-  ``brewnet.analysis.multiview``), top-k from the accuracy layer's ``top_k``.
-- ``FeatureExtractor``: ``brewnet.analysis.features``' batches, written as owl's text matrix
-  (one line per image, ``%f `` per value).
-- ``HeatmapVisualizer``: ``brewnet.analysis.heatmap``, one ``<i>.jpg`` per test image.
-- ``FilterVisualizer``: ``brewnet.analysis.filters``' 9 strongest patches per channel (at most
-  10000 images, as owl), one 3 x 3 ``<channel>.jpg`` each, FC layers too (whole images). A
-  patch is the unit's receptive field, zero where it leaves the image (owl shifted the window
-  inside the image instead).
+Each takes Minerva's arguments, has ``build_net()`` (read the solver and its net, build the nets,
+load owl's snapshot *index*: ``net_helper``; ``run`` calls it when it has not run) and
+``run(...)``, and prints owl's lines on stdout (brewnet's own log stays on stderr). The work is
+the core's: ``NetTrainer`` is a brewnet Solver, its devices (``num_gpu``) ``brewnet.parallel``'s
+workers, ``batch_rule="split"`` (owl's, the default: N devices share the prototxt's batch) or
+``"full"`` (Caffe 1.0's: each device the whole batch); ``NetTester``/``MultiviewTester`` are
+``brewnet test`` (``--views 10``); ``FeatureExtractor`` writes ``brewnet.analysis.features``'
+batches as owl's text matrix; ``HeatmapVisualizer`` is ``brewnet.analysis.heatmap`` and
+``FilterVisualizer`` ``brewnet.analysis.filters``' 9 strongest patches per channel.
+Each tool in detail, and where it differs from owl: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

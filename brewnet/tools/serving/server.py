@@ -1,18 +1,13 @@
-"""uvicorn's Server, stopping in two steps on SIGTERM: stop listening, let the connections
-already accepted deliver their requests, then uvicorn's own shutdown, which finishes every request
-it has read and closes the rest. Without the pause, a request sent on a just-accepted connection
-and not yet read was dropped (seen under load in tests/test_serve.py). A fixed pause was not
-enough when forwards kept the event loop busy, so the server waits until no request has come in
-for ``DRAIN_S`` (at most ``MAX_DRAIN_S``).
+"""uvicorn's Server, stopping in two steps on SIGTERM: stop listening, let the connections already
+accepted deliver their requests (until none has come in for ``DRAIN_S``, at most ``MAX_DRAIN_S``),
+then uvicorn's own shutdown, which finishes every request it has read and closes the rest.
 
 Several workers (``serve_workers``): uvicorn's own supervisor, whose worker processes are
 health-checked and restarted when they die, and get SIGTERM from it when the parent gets SIGTERM
 or SIGINT; each worker is a ``DrainingServer`` that builds its app from ``factory`` in the new
 process. Where the system has ``SO_REUSEPORT`` (Linux, the BSDs) each worker listens on a socket
-of its own and the kernel spreads new connections over them by a hash of the addresses. On one
-shared socket (uvicorn's way, kept where there is no SO_REUSEPORT) whichever worker wakes first
-accepts: 32 keep-alive clients split unevenly, one worker batching 9 requests a forward while
-the other idled (seen in benchmarks/serve.py).
+of its own and the kernel spreads new connections over them by a hash of the addresses; elsewhere
+they share one socket (uvicorn's way). Why: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 
