@@ -38,6 +38,7 @@ The policy, for a Solver's training net (``Solver``) and a pycaffe ``Net``'s for
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import time
@@ -112,6 +113,53 @@ def set_ceiling(n: int) -> None:
 
 def ceiling() -> int:
     return _ceiling[0] if _ceiling else max(1, usable_cores())
+
+
+# -- beside data threads: the plan the commands, Solver runs and TrainTogether ask for -------------
+DECODING = ("ImageData", "WindowData")   # their producers decode images: a busy core each
+
+
+def plan(data_busy: float = 1.0, apply: bool = True, cores: int | None = None) -> int:
+    """Torch's threads next to data producers that keep ``data_busy`` cores busy: a light
+    producer (under a quarter of a core: raw LMDB records) shares the cores, a heavier one
+    (JPEG decoding) gets whole cores of its own, since an OpenMP team that loses a core to a
+    busy thread stalls at every barrier. With ``apply`` it is the ceiling of the per-net choice."""
+    cores = usable_cores() if cores is None else cores
+    reserve = 0 if data_busy < 0.25 else math.ceil(data_busy)
+    n = max(1, cores - reserve)
+    if apply:
+        set_ceiling(n)
+    return n
+
+
+def plan_beside(layers, data_busy: float | None = None, what: str = "") -> int:
+    """``plan`` for a run whose data comes from ``layers`` (its nets' layers; those with a
+    prefetch thread count): ``data_busy`` as measured, else a core per image-decoding producer.
+    An explicit ``OMP_NUM_THREADS`` wins."""
+    if os.environ.get("OMP_NUM_THREADS", "").strip():
+        return torch.get_num_threads()
+    if data_busy is None:
+        data_busy = float(sum(l.type in DECODING for l in layers
+                              if getattr(l, "prefetcher", None) is not None))
+    n = plan(data_busy)
+    log.info("Using %d torch thread(s)%s", n, what)
+    return n
+
+
+def replan_after(solver, measure, iterations: int = 20) -> None:
+    """Once ``iterations`` steps of ``solver`` have run, ``plan_beside`` again from
+    ``measure(seconds)``: the cores its data threads really kept busy over those seconds (JPEG
+    decoding needs a core, raw LMDB records do not). Behind the fast-path guard."""
+    start: dict = {}
+    guard = FastPath("re-planning the threads", solver.net.name)
+
+    def check(s=solver):
+        if not start:
+            start.update(iter=s.iter, t=time.perf_counter())
+        elif s.iter - start["iter"] == iterations:
+            guard.attempt(lambda: plan_beside(s.net.layer_list, measure(time.perf_counter() - start["t"])))
+
+    solver.add_callback(on_start=check)
 
 
 def largest_op_flops(net) -> int:

@@ -7,9 +7,9 @@ GIL. For CUDA the batch is written straight into pinned host memory, so the host
 can be ``non_blocking``.
 
 Cores: torch's OpenMP threads stall badly when another busy thread takes one of their cores
-(a LeNet step went from 13 ms to 220 ms on a 2-core machine). ``plan_threads`` sizes torch's
-intra-op threads from what the producers actually use (``data_busy``, measured over the
-first iterations); the training tools call it.
+(a LeNet step went from 13 ms to 220 ms on a 2-core machine). ``data_busy`` measures what the
+producers actually use over the first iterations; ``brewnet.threads`` sizes torch's threads
+from it.
 """
 from __future__ import annotations
 
@@ -67,19 +67,8 @@ def data_busy(nets, wall_s: float) -> float:
 
 
 def plan_threads(data_busy: float = 1.0, apply: bool = True) -> int:
-    """Torch intra-op threads next to data producers that keep ``data_busy`` cores busy.
-
-    A light producer (under a quarter of a core: raw LMDB records) shares the cores with
-    torch; a heavier one (JPEG decoding) gets whole cores of its own, since an OpenMP team
-    that loses a core to a busy thread stalls at every barrier. With ``apply`` it becomes
-    the ceiling of brewnet's thread choice (``brewnet.threads``); returns the number.
-    """
-    cores = usable_cores()
-    reserve = 0 if data_busy < 0.25 else math.ceil(data_busy)
-    n = max(1, cores - reserve)
-    if apply:
-        threads.set_ceiling(n)     # the most the per-net timing may use (brewnet/threads.py)
-    return n
+    """``brewnet.threads.plan`` on this process's usable cores (the policy lives there)."""
+    return threads.plan(data_busy, apply, cores=usable_cores())
 
 
 class Prefetcher:

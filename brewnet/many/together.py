@@ -397,21 +397,10 @@ class TrainTogether:
         yield from self._rounds([s.solving(r) for s, r in zip(self.solvers, resume)], True, on_finished)
 
     def size_threads(self, data_busy: float | None = None) -> int:
-        """Torch's threads, once for the whole process: next to the streams' producers (a core
-        per image-decoding stream unless measured ``data_busy`` says otherwise)."""
-        import os
-
-        from ..data.prefetch import plan_threads
-
-        if os.environ.get("OMP_NUM_THREADS", "").strip():
-            return torch.get_num_threads()
-        if data_busy is None:
-            data_busy = float(sum(st.layer.type in ("ImageData", "WindowData") for st in self.streams
-                                  if getattr(st.layer, "prefetcher", None) is not None))
-        n = plan_threads(data_busy)
-        log.info("Using %d torch thread(s) for %d solvers", n, len(self.solvers))
-        return n
-
+        """Torch's threads, once for the whole process, beside the streams' producers
+        (``brewnet.threads.plan_beside``)."""
+        return _threads.plan_beside([st.layer for st in self.streams], data_busy,
+                                    f" for {len(self.solvers)} solvers")
 
 def draws_random(solver) -> bool:
     """Whether a step of ``solver`` may draw from torch's global random stream: a Dropout or

@@ -180,47 +180,6 @@ def prefetching_layers(net) -> list:
     return [l for l in net.layer_list if isinstance(l, Prefetching) and l.prefetcher is not None]
 
 
-def size_threads(net, data_busy: float | None = None) -> int:
-    """Size torch's threads together with ``net``'s prefetch threads (on a machine with few
-    cores an OpenMP thread sharing a core with a busy producer stalls every step).
-    ``data_busy``: cores the producers were measured to keep busy (``data.prefetch.data_busy``);
-    None before any measurement: a core per prefetching layer when it decodes images, none for
-    raw records. An explicit ``OMP_NUM_THREADS`` wins."""
-    import os
-
-    import torch
-
-    from ..data.prefetch import plan_threads
-
-    if os.environ.get("OMP_NUM_THREADS", "").strip():
-        return torch.get_num_threads()
-    if data_busy is None:
-        data_busy = float(sum(l.type in ("ImageData", "WindowData") for l in prefetching_layers(net)))
-    n = plan_threads(data_busy)
-    log.info("Using %d torch thread(s)", n)
-    return n
-
-
-def resize_threads_after(solver, iterations: int = 20) -> None:
-    """Once ``iterations`` steps have run, re-plan torch's threads from how busy the training
-    net's data threads really were (JPEG decoding needs a core; raw LMDB records do not)."""
-    import time
-
-    from ..data.prefetch import data_busy
-    from ..fast_path import FastPath
-
-    start = {}
-    guard = FastPath("re-planning the threads", solver.net.name)
-
-    def check(s=solver):
-        if not start:
-            start.update(iter=s.iter, t=time.perf_counter())
-        elif s.iter - start["iter"] == iterations:
-            guard.attempt(lambda: size_threads(s.net, data_busy([s.net], time.perf_counter() - start["t"])))
-
-    solver.add_callback(on_start=check)
-
-
 @contextlib.contextmanager
 def progress_bar(total: int | None, initial: int = 0, desc: str = "", unit: str = "it"):
     """A tqdm bar on stderr when stderr is a terminal (log lines are routed around it), else

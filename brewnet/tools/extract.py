@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import logging
 
+from ..threads import plan_beside
 from .common import (
     USER_ERRORS,
     add_gpu_flag,
     add_net_state_flags,
     progress_bar,
     report,
-    size_threads,
     trained_net,
 )
 
@@ -47,7 +47,7 @@ def run(args) -> int:
         net = trained_net(args, COMMAND)
         blobs = [b for b in args.blobs.split(",") if b]
         check_blobs(net, blobs)
-        size_threads(net)
+        plan_beside(net.layer_list)
         batch = net.blobs[blobs[0]].shape[0]
         writer = FeatureWriter(args.out, blobs, args.iterations * batch)
         log.info("Extracting features of %d batches of %d", args.iterations, batch)

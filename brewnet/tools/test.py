@@ -18,6 +18,7 @@ import logging
 import numpy as np
 
 from ..solvers.detection_eval import AP_VERSIONS, DetectionMAP, log_aps
+from ..threads import plan_beside
 from .common import (
     USER_ERRORS,
     CLIError,
@@ -28,7 +29,6 @@ from .common import (
     ints,
     report,
     single_device,
-    size_threads,
     trained_net,
 )
 
@@ -139,7 +139,7 @@ def run_multiview(args) -> None:
         raise CLIError(f"--top-k {args.top_k}: k must be at least 1")
     if args.images:
         net = trained_net(args, COMMAND)
-        size_threads(net)
+        plan_beside(net.layer_list)
         batches = image_list_scores(net, args, args.views)
     elif args.views == 10 or args.pad:
         device = single_device(args.gpu, COMMAND)
@@ -149,7 +149,7 @@ def run_multiview(args) -> None:
                                               [s for s in args.stage.split(",") if s], device)
     else:
         net = trained_net(args, COMMAND)
-        size_threads(net)
+        plan_beside(net.layer_list)
         if net.inputs and not multiview.label_blob(net):
             raise CLIError(f"{args.model}: the net has an Input layer and no data layer; give "
                            "--images list.txt to test a deploy net")
@@ -170,7 +170,7 @@ def run(args) -> int:
             run_multiview(args)
             return 0
         net = trained_net(args, COMMAND)
-        size_threads(net)
+        plan_beside(net.layer_list)
         log.info("Running for %d iterations.", args.iterations)
         maps = {name: DetectionMAP() for name in detection_outputs(net)}
         loss, results = score(net, args.iterations, maps)

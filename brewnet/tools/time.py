@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 
+from ..threads import plan_beside
 from .common import (
     USER_ERRORS,
     add_gpu_flag,
     add_net_state_flags,
     report,
     single_device,
-    size_threads,
     stages,
 )
 
@@ -52,7 +52,7 @@ def run(args) -> int:
         runtime.configure(device, keep_memory=True)   # time steady-state steps, as training runs them
         phase = pb.TRAIN if args.phase == "TRAIN" else pb.TEST
         net = Net(args.model, phase, level=args.level, stages=stages(args.stage), device=device)
-        size_threads(net)
+        plan_beside(net.layer_list)
         log.info("Performing Forward")
         log.info("Initial loss: %g", net.forward_tensors().item())
         log.info("Performing Backward")

@@ -26,6 +26,8 @@ import logging
 import time
 import types
 
+from ..data.prefetch import data_busy
+from ..threads import plan_beside, replan_after
 from .common import (
     USER_ERRORS,
     CLIError,
@@ -35,8 +37,6 @@ from .common import (
     prefetching_layers,
     progress_bar,
     report,
-    resize_threads_after,
-    size_threads,
     stages,
 )
 
@@ -211,8 +211,8 @@ def _train(args, holder, pending, world) -> int:
         holder.append(replicas or solver)        # signals: the workers agree on them first
         for effect in pending:
             holder[0].request_action(effect)
-        size_threads(solver.net)
-        resize_threads_after(solver)
+        plan_beside(solver.net.layer_list)
+        replan_after(solver, lambda seconds: data_busy([solver.net], seconds))
         resume = args.snapshot or (latest(param.snapshot_prefix) if args.resume else "")
         if args.resume:
             log.info("--resume auto: %s", f"resuming from {resume}" if resume else
@@ -268,7 +268,7 @@ def _train_many(args, holder, pending) -> int:
 
             runner = FusedSolvers(params, device=device, exact=args.fuse == "exact",
                                   dtype=torch.float64 if args.dtype == "float64" else None)
-            size_threads(runner.solvers[0].net)
+            plan_beside(runner.solvers[0].net.layer_list)
         else:
             from ..many.together import TrainTogether
 
