@@ -35,6 +35,11 @@ BUFFER_TYPES = {"BatchNorm"}      # statistics, not learnable: buffers, as torch
 # Layers whose work is not a function of their bottoms: no graph can hold them.
 NO_GRAPH = {"Python": "runs arbitrary Python (pycaffe's caffe.Layer)",
             "DetectionOutput": "runs non-maximum suppression in Python, with data-dependent sizes",
+            "YoloDetectionOutput": "runs non-maximum suppression in Python, with data-dependent sizes",
+            "Yolov3DetectionOutput": "runs non-maximum suppression in Python, with data-dependent sizes",
+            "Proposal": "runs non-maximum suppression in Python, with data-dependent sizes",
+            "ROIPooling": "reads its regions' coordinates into Python",
+            "PSROIPooling": "reads its regions' coordinates into Python",
             "DetectionEvaluate": "scores detections in Python",
             "HDF5Output": "writes files"}
 
