@@ -24,6 +24,8 @@ if "torch" not in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ:
 # reads this at its first call, so it still takes effect when torch was imported first.
 _os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
+from . import _moved  # noqa: E402
+_moved.install()                  # the old paths of moved modules, with a DeprecationWarning
 from . import threads as _threads  # noqa: E402
 _threads.SPINNING = _spinning     # torch came first: libgomp spins while its threads wait
 from . import layers  # noqa: E402  (also NetSpec's L: layers.Convolution(...))

@@ -1,0 +1,32 @@
+"""The old import paths of modules that moved, kept for one deprecation release: importing one
+gives the module at its new path (the same object, so a patch of one is a patch of both) and a
+``DeprecationWarning`` naming the new path."""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
+MOVED: dict[str, str] = {     # old path: new path
+}
+
+
+class _OldPath(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name in MOVED else None
+
+    def create_module(self, spec):
+        new = MOVED[spec.name]
+        warnings.warn(f"{spec.name} moved to {new}; the old path goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+def install() -> None:
+    if not any(isinstance(f, _OldPath) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OldPath())
