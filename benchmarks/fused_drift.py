@@ -67,7 +67,7 @@ def main() -> None:
 
     import torch
 
-    import brewnet  # noqa: F401  (before torch: a user's import order, brewnet/threads.py)
+    import brewnet  # noqa: F401  (before torch: a user's import order, brewnet/execution/threads.py)
     from brewnet.many.fused import FusedSolvers
     from brewnet.solvers import SOLVERS
 

@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     import cv2
 
-    from brewnet.threads import usable_cores
+    from brewnet.execution.threads import usable_cores
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -93,7 +93,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    import brewnet  # noqa: F401  (before torch: it sets OpenMP's wait policy, see brewnet/threads.py)
+    import brewnet  # noqa: F401  (before torch: it sets OpenMP's wait policy, see brewnet/execution/threads.py)
 
     logging.getLogger("brewnet").setLevel(logging.WARNING)
 

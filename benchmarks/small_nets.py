@@ -17,7 +17,7 @@ sliced from tensors already in memory, ``F.cross_entropy``, ``torch.autograd.gra
 update with weight decay as four ``_foreach`` ops; the better of 1 and 2 threads), so the goals
 can be read against what PyTorch itself does on this machine in the same run.
 Path ``torch1st`` is the pycaffe script that imports torch before brewnet (libgomp's wait
-policy is then fixed before brewnet can make it passive; see brewnet/threads.py).
+policy is then fixed before brewnet can make it passive; see brewnet/execution/threads.py).
 Conditions: idle; one spinning neighbour (``python -c 'while 1: pass'``); a second brewnet
 process training the same net through the CLI. Paths: a fresh pycaffe script process
 (``caffe.get_solver(...).step(n)``, timed around the call) and ``brewnet train`` (the rate from

@@ -35,7 +35,7 @@ if not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "ssd"))
 
-import shapes  # noqa: E402  (imports brewnet before torch: a user's order, brewnet/threads.py)
+import shapes  # noqa: E402  (imports brewnet before torch: a user's order, brewnet/execution/threads.py)
 import torch  # noqa: E402
 from google.protobuf import text_format  # noqa: E402
 

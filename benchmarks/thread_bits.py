@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from google.protobuf import text_format  # noqa: E402
 
-import brewnet  # noqa: E402  (first: a user's import order, brewnet/threads.py)
+import brewnet  # noqa: E402  (first: a user's import order, brewnet/execution/threads.py)
 from brewnet import determinism  # noqa: E402
 from brewnet.net import Net  # noqa: E402
 from brewnet.proto import caffe_pb2 as pb  # noqa: E402

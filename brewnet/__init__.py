@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 import os as _os  # noqa: E402
 import sys as _sys  # noqa: E402
 
-# Idle OpenMP threads sleep instead of spinning on cores a neighbour needs (brewnet/threads.py);
+# Idle OpenMP threads sleep instead of spinning on cores a neighbour needs (brewnet/execution/threads.py);
 # libgomp reads this once, when torch loads it, so it is set before brewnet imports torch.
 _spinning = "torch" in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ
 if "torch" not in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ:
@@ -26,7 +26,7 @@ _os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 from . import _moved  # noqa: E402
 _moved.install()                  # the old paths of moved modules, with a DeprecationWarning
-from . import threads as _threads  # noqa: E402
+from .execution import threads as _threads  # noqa: E402
 _threads.SPINNING = _spinning     # torch came first: libgomp spins while its threads wait
 from . import layers  # noqa: E402  (also NetSpec's L: layers.Convolution(...))
 from .data import layers as _data_layers  # noqa: E402,F401  (registers Data, ImageData, HDF5Data...)

@@ -1,7 +1,7 @@
 """The same bits on any thread count: which kernels do, and the switch for the ones that may not.
 
 A training run's numbers must not depend on how many torch threads run it: the thread count
-follows the net's size and the machine's cores (brewnet/threads.py), so otherwise a net trained
+follows the net's size and the machine's cores (brewnet/execution/threads.py), so otherwise a net trained
 in a merged or together run (other counts) or on another machine would end with other weights
 than the same net trained alone. Measured per layer and thread count by
 ``benchmarks/thread_bits.py``; two kinds of kernel split a sum between threads:
@@ -39,7 +39,7 @@ import threading
 
 import torch
 
-from . import threads
+from .execution import threads
 
 log = logging.getLogger("brewnet")
 MKL_CBWR_ALL, MKL_CBWR_STRICT = ~0, 0x10000     # mkl_cbwr.h

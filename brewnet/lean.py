@@ -38,7 +38,7 @@ machine): LeNet at batch 1 ~0.64x the plain path's time, batch 16 ~0.92x; open_n
 ~0.78x, CaffeNet ~0.93x (the NHWC weights and the per-layer Python saved); at batch 16 the
 kernels dominate (0.98-1.03x). The graph is recorded once per input shape, at the
 ``AFTER + 1``-th call, from one run of the folded module (``LeanForward._record``; logged;
-left out of the thread timing: brewnet/threads.py): that call took 0.05 s on LeNet and 0.5 s on
+left out of the thread timing: brewnet/execution/threads.py): that call took 0.05 s on LeNet and 0.5 s on
 open_nsfw at batch 1, where torch.export took 3.7 and 5.2 s (its first call in a process imports
 torch._dynamo); export remains the fallback when the recording refuses.
 """

@@ -8,7 +8,7 @@ can be ``non_blocking``.
 
 Cores: torch's OpenMP threads stall badly when another busy thread takes one of their cores
 (a LeNet step went from 13 ms to 220 ms on a 2-core machine). ``data_busy`` measures what the
-producers actually use over the first iterations; ``brewnet.threads`` sizes torch's threads
+producers actually use over the first iterations; ``brewnet.execution.threads`` sizes torch's threads
 from it.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ import threading
 import time
 from typing import Callable
 
-from .. import threads
-from ..threads import usable_cores  # noqa: F401  (re-exported: the cores this process may use)
+from ..execution import threads
+from ..execution.threads import usable_cores  # noqa: F401  (re-exported: the cores this process may use)
 
 _STOP = object()
 
@@ -67,7 +67,7 @@ def data_busy(nets, wall_s: float) -> float:
 
 
 def plan_threads(data_busy: float = 1.0, apply: bool = True) -> int:
-    """``brewnet.threads.plan`` on this process's usable cores (the policy lives there)."""
+    """``brewnet.execution.threads.plan`` on this process's usable cores (the policy lives there)."""
     return threads.plan(data_busy, apply, cores=usable_cores())
 
 

@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import determinism, threads
+from .. import determinism
+from ..execution import threads
 
 FLT_MAX = 3.4028234663852886e38   # Caffe's start value for MAX pooling (-FLT_MAX)
 FLT_MIN = 1.1754943508222875e-38  # Caffe's start value for the STOCHASTIC TEST denominator

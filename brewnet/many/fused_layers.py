@@ -19,11 +19,11 @@ import torch
 
 from .. import determinism
 from ..errors import NetError
+from ..execution.threads import TINY_FLOPS
 from ..layers import functional as Fn
 from ..layers.loss import FLT_MIN, _WeightedLogLoss, check_labels, normalizer
 from ..net import _nhwc
 from ..proto import caffe_pb2 as pb
-from ..threads import TINY_FLOPS
 
 
 class FuseError(NetError):

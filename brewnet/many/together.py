@@ -44,7 +44,7 @@ took 200 ms vs 235 ms for K = 8 one after another on two intra-op threads (in
 ``benchmarks/many_nets.py``'s ``together`` vs ``together:1``: 162 vs 193 ms at K = 4, 319 vs
 360 ms at K = 8); for the single-InnerProduct net (a step is ~1.2 ms, mostly Python under
 the GIL) two threads were slower (18-20 ms vs 14-15 ms at K = 8). So: one thread per usable
-core when some net is not tiny (``brewnet.threads.TINY_FLOPS``) and all train on the CPU,
+core when some net is not tiny (``brewnet.execution.threads.TINY_FLOPS``) and all train on the CPU,
 else one after another.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ import threading
 
 import torch
 
-from .. import threads as _threads
+from ..execution import threads as _threads
 from ..proto import caffe_pb2 as pb
 from ..solvers import Solver, SolverError, get_solver
 from ..solvers.guards import signal_effects
@@ -398,7 +398,7 @@ class TrainTogether:
 
     def size_threads(self, data_busy: float | None = None) -> int:
         """Torch's threads, once for the whole process, beside the streams' producers
-        (``brewnet.threads.plan_beside``)."""
+        (``brewnet.execution.threads.plan_beside``)."""
         return _threads.plan_beside([st.layer for st in self.streams], data_busy,
                                     f" for {len(self.solvers)} solvers")
 
@@ -417,7 +417,7 @@ def draws_random(solver) -> bool:
 
 def worker_count(solvers, requested=None) -> int:
     """Worker threads for ``solvers``: ``requested``, else ``$BREWNET_TOGETHER_THREADS``, else
-    one per usable core when some net is not tiny (``brewnet.threads.TINY_FLOPS``) and all
+    one per usable core when some net is not tiny (``brewnet.execution.threads.TINY_FLOPS``) and all
     train on the CPU, else 1 (see the module docstring for the measurements)."""
     if requested is None:
         env = os.environ.get(ENV_THREADS, "").strip()

@@ -11,8 +11,9 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import net as core
-from .. import runtime, threads
+from .. import runtime
 from ..blob import ParamBlob
+from ..execution import threads
 from ..lean import LeanForward
 from ..net import NetError
 
@@ -66,7 +67,7 @@ class Net(core.Net):
     @functools.cached_property
     def _threads(self) -> threads.Tuner:
         # Repeated inference keeps its memory (steady latency: runtime.keep_freed_memory) and
-        # gets torch's threads chosen for this net (brewnet/threads.py).
+        # gets torch's threads chosen for this net (brewnet/execution/threads.py).
         runtime.configure(self.device, keep_memory=True)
         return threads.Tuner(self)
 

@@ -16,9 +16,10 @@ import time
 import numpy as np
 import torch
 
-from .. import determinism, runtime, threads
+from .. import determinism, runtime
 from ..blob import diff_viewed
 from ..data import cursors
+from ..execution import threads
 from ..net import Net
 from ..proto import caffe_pb2 as pb
 from . import detection_eval, graph_update, step_graph

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from ..threads import plan_beside
+from ..execution.threads import plan_beside
 from .common import (
     USER_ERRORS,
     add_gpu_flag,

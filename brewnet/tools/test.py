@@ -17,8 +17,8 @@ import logging
 
 import numpy as np
 
+from ..execution.threads import plan_beside
 from ..solvers.detection_eval import AP_VERSIONS, DetectionMAP, log_aps
-from ..threads import plan_beside
 from .common import (
     USER_ERRORS,
     CLIError,

@@ -27,7 +27,7 @@ import time
 import types
 
 from ..data.prefetch import data_busy
-from ..threads import plan_beside, replan_after
+from ..execution.threads import plan_beside, replan_after
 from .common import (
     USER_ERRORS,
     CLIError,
