@@ -20,7 +20,7 @@ _spinning = "torch" in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ
 if "torch" not in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-# MKL's matrix products in one order whatever the thread count (brewnet/determinism.py); MKL
+# MKL's matrix products in one order whatever the thread count (brewnet/execution/determinism.py); MKL
 # reads this at its first call, so it still takes effect when torch was imported first.
 _os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
@@ -31,7 +31,7 @@ _threads.SPINNING = _spinning     # torch came first: libgomp spins while its th
 from . import layers  # noqa: E402  (also NetSpec's L: layers.Convolution(...))
 from .data import layers as _data_layers  # noqa: E402,F401  (registers Data, ImageData, HDF5Data...)
 from .deploy import to_torch  # noqa: E402
-from .determinism import is_deterministic, set_deterministic  # noqa: E402
+from .execution.determinism import is_deterministic, set_deterministic  # noqa: E402
 from . import video  # noqa: E402,F401  (brewnet.video.VideoNet)
 from .surgery import fully_convolutional  # noqa: E402
 from .layers import register_layer  # noqa: E402  (plugins: @brewnet.register_layer("Type"))

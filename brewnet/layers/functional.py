@@ -15,8 +15,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import determinism
-from ..execution import threads
+from ..execution import determinism, threads
 
 FLT_MAX = 3.4028234663852886e38   # Caffe's start value for MAX pooling (-FLT_MAX)
 FLT_MIN = 1.1754943508222875e-38  # Caffe's start value for the STOCHASTIC TEST denominator
@@ -323,7 +322,7 @@ def _thread_invariant_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
 class _Conv2d(torch.autograd.Function):
     """torch's 2-D convolution (oneDNN) with a weight gradient of the same bits on every thread
     count: oneDNN's where it has them, else Caffe's per-image im2col product
-    (brewnet/determinism.py). The input gradient is oneDNN's (one thread per output element)."""
+    (brewnet/execution/determinism.py). The input gradient is oneDNN's (one thread per output element)."""
 
     @staticmethod
     def forward(ctx, x, w, b, stride, pad, dilation, groups):

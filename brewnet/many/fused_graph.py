@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from .. import determinism
+from ..execution import determinism
 from ..fast_path import FastPath
 from ..graph_record import same_bits
 from ..solvers import step_graph

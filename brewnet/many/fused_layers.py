@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import determinism
 from ..errors import NetError
+from ..execution import determinism
 from ..execution.threads import TINY_FLOPS
 from ..layers import functional as Fn
 from ..layers.loss import FLT_MIN, _WeightedLogLoss, check_labels, normalizer
@@ -178,7 +178,7 @@ def _inner_product(fn, layer, ins, params, k):
 class _WideProduct(torch.autograd.Function):
     """K nets' InnerProducts as batched products, (K, N, D) x (K, D, O) + (K, O): forward and
     backward with MKL on torch's threads when large (a training thread keeps MKL on one,
-    brewnet/determinism.py; why: docs/internals.md, *Design notes by module*)."""
+    brewnet/execution/determinism.py; why: docs/internals.md, *Design notes by module*)."""
 
     @staticmethod
     def forward(ctx, xs, wt, b):

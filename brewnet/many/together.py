@@ -37,7 +37,7 @@ global random stream is one per process too: the solvers whose nets may draw fro
 step (``draws_random``: Dropout, stochastic Pooling, Python or foreign layers) all step in the
 first group, one after another with their own state swapped in, and the other threads never
 touch it; data streams take a lock (the leader's read happens once, under it). So the files
-are byte-identical to each solver alone (at any thread count: ``brewnet.determinism``).
+are byte-identical to each solver alone (at any thread count: ``brewnet.execution.determinism``).
 The default, by measurement on the 2-core CPU (one step of all K nets): for LeNet
 (convolutions: torch releases the GIL in its kernels) two threads of one intra-op thread each
 took 200 ms vs 235 ms for K = 8 one after another on two intra-op threads (in
@@ -325,7 +325,7 @@ class TrainTogether:
         and an error surfaces here, after the other groups' iterations). The live solvers are
         dealt to the workers again each round and the cores shared among the groups that have
         any: a solver pruned or finished leaves no core idle (the intra-op count does not
-        change a solver's bits, ``brewnet.determinism``)."""
+        change a solver's bits, ``brewnet.execution.determinism``)."""
         from concurrent.futures import ThreadPoolExecutor
 
         total = _threads.user_threads() or _threads.ceiling()

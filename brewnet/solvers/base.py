@@ -16,10 +16,10 @@ import time
 import numpy as np
 import torch
 
-from .. import determinism, runtime
+from .. import runtime
 from ..blob import diff_viewed
 from ..data import cursors
-from ..execution import threads
+from ..execution import determinism, threads
 from ..net import Net
 from ..proto import caffe_pb2 as pb
 from . import detection_eval, graph_update, step_graph

@@ -145,7 +145,7 @@ def run(args) -> int:
     if args.deterministic:
         import os
 
-        from ..determinism import set_deterministic
+        from ..execution.determinism import set_deterministic
 
         os.environ["BREWNET_DETERMINISTIC"] = "1"      # data-parallel workers inherit it
         set_deterministic(True)

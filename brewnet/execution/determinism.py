@@ -39,7 +39,7 @@ import threading
 
 import torch
 
-from .execution import threads
+from . import threads
 
 log = logging.getLogger("brewnet")
 MKL_CBWR_ALL, MKL_CBWR_STRICT = ~0, 0x10000     # mkl_cbwr.h
@@ -55,7 +55,7 @@ def set_deterministic(on: bool = True) -> None:
 def is_deterministic() -> bool:
     if _state["on"] is not None:
         return _state["on"]
-    from .runtime import env_switch
+    from ..runtime import env_switch
 
     return env_switch("BREWNET_DETERMINISTIC", "0", ("0", "1")) == "1"
 
