@@ -8,7 +8,7 @@ with the same layers and weights, ``F.cross_entropy``, autograd and a hand-writt
 update (momentum with the rate inside the history, lr_mult/decay_mult, weight decay). Both use
 one fixed synthetic batch. Single steps alternate between the two sides (the machines are shared
 and noisy) and medians are reported, with the real Caffe's CPU times from the issue for scale.
-Building brewnet's CPU solver sets glibc's malloc to keep freed memory (brewnet/runtime.py), which
+Building brewnet's CPU solver sets glibc's malloc to keep freed memory (brewnet/execution/process.py), which
 is process-wide: the plain side profits from it too.
 """
 from __future__ import annotations

@@ -51,10 +51,10 @@ import time
 
 import torch
 
+from .execution.process import env_switch
 from .fast_path import FAILED, FastPath
 from .graph_record import unbox
 from .net import _nhwc
-from .runtime import env_switch
 from .solvers.cuda_graph import device_refusal
 
 log = logging.getLogger("brewnet")

@@ -77,7 +77,7 @@ class Net:
         self.phase = phase
         self.param = filter_net(param, make_state(phase, level, stages, param.state))
         self.name = self.param.name
-        from .runtime import default_device
+        from .execution.process import default_device
 
         self.device = torch.device(device) if device is not None else default_device()
         self.hooks: dict[str, list] = {w: [] for w in HOOKS}
@@ -231,7 +231,7 @@ class Net:
 
     def to(self, device=None, dtype=None) -> "Net":
         """Move (and optionally cast) every blob and parameter, keeping parameter sharing.
-        Process-wide settings for the device are ``brewnet.runtime.configure``'s job."""
+        Process-wide settings for the device are ``brewnet.execution.process.configure``'s job."""
         device = torch.device(device) if device is not None else self.device
         moved: dict[int, torch.Tensor] = {}
 

@@ -55,7 +55,7 @@ def set_deterministic(on: bool = True) -> None:
 def is_deterministic() -> bool:
     if _state["on"] is not None:
         return _state["on"]
-    from ..runtime import env_switch
+    from .process import env_switch
 
     return env_switch("BREWNET_DETERMINISTIC", "0", ("0", "1")) == "1"
 

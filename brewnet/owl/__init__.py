@@ -62,12 +62,12 @@ def create_gpu_device(which: int) -> torch.device:
 
 def set_device(dev) -> None:
     """Build the nets that follow on ``dev`` (a device from ``create_*_device``)."""
-    from .. import runtime
+    from ..execution import process
 
     dev = torch.device(dev)
     _current[0] = dev
-    runtime.set_default_device(dev.type == "cuda", dev.index or 0)
-    runtime.configure(dev)
+    process.set_default_device(dev.type == "cuda", dev.index or 0)
+    process.configure(dev)
 
 
 def current_device() -> torch.device:

@@ -2,7 +2,7 @@
 
 The device is read once when a Net or Solver is created (never inside layers). ``set_mode_gpu``
 on a machine without CUDA warns and keeps the CPU, so pycaffe scripts written for a GPU still
-run; on CUDA it applies brewnet's process-wide settings (``brewnet.runtime.configure``).
+run; on CUDA it applies brewnet's process-wide settings (``brewnet.execution.process.configure``).
 """
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import logging
 
 import torch
 
-from .. import runtime
-from ..runtime import set_random_seed  # noqa: F401  (caffe.set_random_seed)
+from ..execution import process
+from ..execution.process import set_random_seed  # noqa: F401  (caffe.set_random_seed)
 
 _log = logging.getLogger("brewnet")
 
 
 def set_mode_cpu() -> None:
     """pycaffe's ``caffe.set_mode_cpu()``: new Nets and Solvers run on the CPU."""
-    runtime.set_default_device(False)
+    process.set_default_device(False)
 
 
 def set_mode_gpu() -> None:
@@ -26,15 +26,15 @@ def set_mode_gpu() -> None:
     without CUDA)."""
     if not torch.cuda.is_available():
         _log.warning("set_mode_gpu: CUDA is not available here; running on the CPU")
-    runtime.set_default_device(True)
-    runtime.configure()
+    process.set_default_device(True)
+    process.configure()
 
 
 def set_device(device_id: int) -> None:
     """pycaffe's ``caffe.set_device(id)``: the CUDA device GPU mode uses."""
-    runtime.set_default_device(runtime._mode["gpu"], device_id)
-    if runtime._mode["gpu"]:
-        runtime.configure()
+    process.set_default_device(process._mode["gpu"], device_id)
+    if process._mode["gpu"]:
+        process.configure()
 
 
 def init_log() -> None:

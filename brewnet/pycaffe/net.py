@@ -11,9 +11,8 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import net as core
-from .. import runtime
 from ..blob import ParamBlob
-from ..execution import threads
+from ..execution import process, threads
 from ..lean import LeanForward
 from ..net import NetError
 
@@ -66,9 +65,9 @@ class Net(core.Net):
 
     @functools.cached_property
     def _threads(self) -> threads.Tuner:
-        # Repeated inference keeps its memory (steady latency: runtime.keep_freed_memory) and
+        # Repeated inference keeps its memory (steady latency: process.keep_freed_memory) and
         # gets torch's threads chosen for this net (brewnet/execution/threads.py).
-        runtime.configure(self.device, keep_memory=True)
+        process.configure(self.device, keep_memory=True)
         return threads.Tuner(self)
 
     def backward(self, diffs=None, start=None, end=None, **top_diffs):

@@ -16,10 +16,9 @@ import time
 import numpy as np
 import torch
 
-from .. import runtime
 from ..blob import diff_viewed
 from ..data import cursors
-from ..execution import determinism, threads
+from ..execution import determinism, process, threads
 from ..net import Net
 from ..proto import caffe_pb2 as pb
 from . import detection_eval, graph_update, step_graph
@@ -90,9 +89,9 @@ class Solver:
         if p.snapshot > 0:
             self._check_snapshot_prefix()
         if p.random_seed >= 0:
-            runtime.set_random_seed(p.random_seed)
+            process.set_random_seed(p.random_seed)
         self.device = pick_device(p, device)
-        runtime.configure(self.device, keep_memory=True)   # training: true float32, reused memory
+        process.configure(self.device, keep_memory=True)   # training: true float32, reused memory
         self.train_feed, self.test_feeds = train_feed, list(test_feeds or [])
         self.net = make_train_net(p, self._path, self.device, self.net_class)
         self.test_nets = make_test_nets(p, self._path, self.device, self.net_class)

@@ -66,7 +66,7 @@ def pick_device(param, device=None) -> torch.device:
             return torch.device("cuda", param.device_id)
         log.warning("solver_mode GPU: CUDA is not available here; training on the CPU")
         return torch.device("cpu")
-    from ..runtime import default_device
+    from ..execution.process import default_device
     return default_device()
 
 

@@ -46,9 +46,9 @@ from contextlib import contextmanager
 import torch
 
 from .. import backprop
+from ..execution.process import env_switch
 from ..fast_path import FAILED, FastPath
 from ..graph_record import RecordError, same_bits, unbox
-from ..runtime import env_switch
 from .graph_ops import split_side_tops
 
 log = logging.getLogger("brewnet")

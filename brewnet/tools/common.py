@@ -97,13 +97,13 @@ def single_device(spec: str, command: str):
 def trained_net(args, command: str):
     """The TEST net of ``--model`` (with ``--level``/``--stage`` when the command has them) on
     ``--gpu``'s device, its ``--weights`` loaded; a file matching no layer is an error."""
-    from .. import runtime
+    from ..execution import process
     from ..net import Net
     from ..proto import caffe_pb2 as pb
     from ..weights import load_weights
 
     device = single_device(args.gpu, command)
-    runtime.configure(device)
+    process.configure(device)
     net = Net(args.model, pb.TEST, level=getattr(args, "level", 0),
               stages=stages(getattr(args, "stage", "")), device=device)
     load_weights(net, args.weights, require_match=True)   # another net's file is an error

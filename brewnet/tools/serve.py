@@ -109,7 +109,7 @@ def build(args):
 
 def make_app(args):
     """The app for the flags (its net built); ``args.max_batch`` capped at a fixed batch."""
-    from .. import runtime
+    from ..execution import process
     from .serving.app import Limits, create_app
 
     model, fixed, device, inline = build(args)
@@ -117,7 +117,7 @@ def make_app(args):
         log.info("Net '%s' fixes its batch at %d: --max-batch %d -> %d", model.name, fixed,
                  args.max_batch, fixed)
         args.max_batch = fixed
-    runtime.configure(device, keep_memory=True)      # steady latency: buffers stay allocated
+    process.configure(device, keep_memory=True)      # steady latency: buffers stay allocated
     limits = Limits(int(args.max_body_mb * (1 << 20)), int(args.max_pixels), args.timeout_ms / 1e3,
                     args.max_queue)
     return create_app(model, limits, args.max_batch, args.max_delay_ms / 1e3, fixed, inline)

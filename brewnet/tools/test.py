@@ -131,8 +131,8 @@ def image_list_scores(net, args, views: int):
 
 
 def run_multiview(args) -> None:
-    from .. import runtime
     from ..analysis import multiview
+    from ..execution import process
 
     ks = sorted(set(ints(args.top_k, "--top-k"))) if args.top_k else [1]
     if min(ks) < 1:
@@ -143,7 +143,7 @@ def run_multiview(args) -> None:
         batches = image_list_scores(net, args, args.views)
     elif args.views == 10 or args.pad:
         device = single_device(args.gpu, COMMAND)
-        runtime.configure(device)
+        process.configure(device)
         batches = multiview.data_layer_scores(args.model, args.weights, args.views, args.iterations,
                                               args.output, args.pad, args.level,
                                               [s for s in args.stage.split(",") if s], device)

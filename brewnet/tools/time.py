@@ -43,13 +43,13 @@ def run(args) -> int:
     if args.iterations < 1:
         return report(COMMAND, f"--iterations must be at least 1, got {args.iterations}")
     try:
-        from .. import runtime
         from ..analysis.timing import time_net
+        from ..execution import process
         from ..net import Net
         from ..proto import caffe_pb2 as pb
 
         device = single_device(args.gpu, COMMAND)
-        runtime.configure(device, keep_memory=True)   # time steady-state steps, as training runs them
+        process.configure(device, keep_memory=True)   # time steady-state steps, as training runs them
         phase = pb.TRAIN if args.phase == "TRAIN" else pb.TEST
         net = Net(args.model, phase, level=args.level, stages=stages(args.stage), device=device)
         plan_beside(net.layer_list)

@@ -130,11 +130,12 @@ class CaffeNetBuilder:
         """A core net of ``owl_net``'s definition for ``phase`` ('TRAIN' or 'TEST') on owl's
         current device, its fillers seeded by the solver's random_seed and its ``weights``
         loaded, as a Solver's are."""
-        from ... import owl, runtime
+        from ... import owl
+        from ...execution import process
         from ...net import Net as CoreNet
 
         if self.solverconfig.random_seed >= 0:
-            runtime.set_random_seed(self.solverconfig.random_seed)
+            process.set_random_seed(self.solverconfig.random_seed)
         net = CoreNet(owl_net.param, pb.TRAIN if phase == "TRAIN" else pb.TEST, device=owl.current_device())
         for w in self.solverconfig.weights:      # the solver's own weights, as a Solver loads them
             for path in w.split(","):

@@ -2,7 +2,7 @@
 allocator. Nothing here runs on import or inside a Net or a layer; the entry points call
 ``configure``: pycaffe's ``set_mode_gpu``/``set_device``, a Solver when it is built, and each
 CLI command (train, test, time). A program that uses the core ``Net`` directly on CUDA calls
-``brewnet.runtime.configure(device)`` itself to get Caffe's numbers.
+``brewnet.execution.process.configure(device)`` itself to get Caffe's numbers.
 
 - **Default device** (pycaffe's mode): where a Net goes when no device is given.
 - **True float32 on CUDA**: cuDNN's default TF32 convolutions are ~1e-3 off; Caffe computes in
