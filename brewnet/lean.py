@@ -52,8 +52,8 @@ import time
 import torch
 
 from .execution.process import env_switch
+from .execution.recording import unbox
 from .fast_path import FAILED, FastPath
-from .graph_record import unbox
 from .net import _nhwc
 from .solvers.cuda_graph import device_refusal
 
@@ -235,7 +235,7 @@ class LeanForward:
         if self.net.device.type != "cuda":
             out = self.gm(*xs)
             return out if isinstance(out, tuple) else (out,)
-        from .graph_record import same_bits
+        from .execution.recording import same_bits
         from .solvers.cuda_graph import CapturedGraph
 
         addresses = tuple(t.data_ptr() for t in (*self.gm.parameters(), *self.gm.buffers()))
@@ -296,11 +296,11 @@ class LeanForward:
 
     def _record(self):
         """(graph, tracee): ``to_torch``'s folded module run once on this call's input shapes
-        and its aten ops recorded (brewnet/graph_record.py: milliseconds, where torch.export took
+        and its aten ops recorded (brewnet/execution/recording.py: milliseconds, where torch.export took
         seconds on its first call in a process). A run that branched on a value goes through
         torch.export instead."""
         from .deploy.graph import _graph_module, _Tracee, traced_program
-        from .graph_record import RecordError, record
+        from .execution.recording import RecordError, record
 
         net = self.net
         with torch.no_grad():

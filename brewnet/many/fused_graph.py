@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from ..execution import determinism
+from ..execution.recording import same_bits
 from ..fast_path import FastPath
-from ..graph_record import same_bits
 from ..solvers import step_graph
 from ..solvers.step_graph import PURE, _fold, as_param_grad, device_refusal, mode
 
@@ -253,7 +253,7 @@ class FusedStepGraph:
     def _record(self, active, xs, before, steps, eager, ref) -> None:
         """Record the step on ``xs`` from the state ``before`` and keep it if its replay gives
         the eager step's bits (``eager``: the state after; ``ref``: losses, outputs, grads)."""
-        from ..graph_record import RecordError, record, unbox
+        from ..execution.recording import RecordError, record, unbox
         from ..solvers.step_graph import _deferred_label_checks
 
         fs, state = self.fs, self._state()

@@ -32,7 +32,7 @@ import threading
 
 import torch
 
-from ..graph_record import same_bits
+from ..execution.recording import same_bits
 from .step_graph import DEVICE_GRAPHS, StepGraph, as_param_grad
 
 log = logging.getLogger("brewnet")

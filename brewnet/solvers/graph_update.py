@@ -179,8 +179,8 @@ class UpdateGraph:
         update) and check the recorded graph's replay against the eager update on the same
         state: either way the update of this iteration is done when it returns (True: by the
         graph, which is kept)."""
-        from ..graph_record import RecordError, same_bits, unbox
-        from ..graph_record import record as record_graph
+        from ..execution.recording import RecordError, same_bits, unbox
+        from ..execution.recording import record as record_graph
 
         s = self.solver
         self.tries += 1

@@ -2,7 +2,7 @@
 
 On a tiny net most of a step is Python: per layer the executor looks up bottoms and tops,
 writes blobs and reads protobuf params, and autograd walks its graph. The recorder
-(``brewnet/graph_record.py``) runs one real forward and backward (the gradient of the loss
+(``brewnet/execution/recording.py``) runs one real forward and backward (the gradient of the loss
 with respect to the params) and writes down the aten ops they dispatch; later iterations call
 that straight-line list. The ops, their order and their arguments are the ones the eager step
 runs, so the loss, every top and every gradient are the same bits (checked: the capture
@@ -47,8 +47,8 @@ import torch
 
 from .. import backprop
 from ..execution.process import env_switch
+from ..execution.recording import RecordError, same_bits, unbox
 from ..fast_path import FAILED, FastPath
-from ..graph_record import RecordError, same_bits, unbox
 from .graph_ops import split_side_tops
 
 log = logging.getLogger("brewnet")
@@ -296,7 +296,7 @@ class StepGraph:
         if any(b._viewed("data") or b._viewed("diff") for b in net.blobs.values()):
             log.debug("step graph: a blob is viewed from numpy")
             return False
-        from ..graph_record import record as record_graph
+        from ..execution.recording import record as record_graph
 
         self.params, self.seeds = self._params(), []
         saved = {n: (b._t, b._d, b._owned.copy()) for n, b in net.blobs.items()}
