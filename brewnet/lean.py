@@ -51,9 +51,9 @@ import time
 
 import torch
 
+from .execution.fast_path import FAILED, FastPath
 from .execution.process import env_switch
 from .execution.recording import unbox
-from .fast_path import FAILED, FastPath
 from .net import _nhwc
 from .solvers.cuda_graph import device_refusal
 

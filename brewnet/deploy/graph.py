@@ -17,7 +17,7 @@ import re
 import torch
 
 from ..errors import NetError
-from ..fast_path import Declined
+from ..execution.fast_path import Declined
 from ..fusion import Folder
 from ..layers import functional as Fn
 from ..net import Net

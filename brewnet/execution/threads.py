@@ -46,7 +46,7 @@ import weakref
 
 import torch
 
-from ..fast_path import FAILED, FastPath
+from .fast_path import FAILED, FastPath
 
 log = logging.getLogger("brewnet")
 TINY_FLOPS = 4e6       # below this per layer and pass, threads cost more than they save

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from ..execution import determinism
+from ..execution.fast_path import FastPath
 from ..execution.recording import same_bits
-from ..fast_path import FastPath
 from ..solvers import step_graph
 from ..solvers.step_graph import PURE, _fold, as_param_grad, device_refusal, mode
 

@@ -46,9 +46,9 @@ from contextlib import contextmanager
 import torch
 
 from .. import backprop
+from ..execution.fast_path import FAILED, FastPath
 from ..execution.process import env_switch
 from ..execution.recording import RecordError, same_bits, unbox
-from ..fast_path import FAILED, FastPath
 from .graph_ops import split_side_tops
 
 log = logging.getLogger("brewnet")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import traceback
 
-from .errors import NetError
+from ..errors import NetError
 
 log = logging.getLogger("brewnet")
 FAILED = object()      # what ``attempt`` returns when the step raised
@@ -28,7 +28,7 @@ class Declined(NetError):
 def failing_layer(exc: BaseException):
     """The innermost brewnet layer whose own code was running when ``exc`` was raised, or None
     (the tracer's own errors name their layer in the message)."""
-    from .layers.base import Layer
+    from ..layers.base import Layer
 
     found = None
     for frame, _ in traceback.walk_tb(exc.__traceback__):
