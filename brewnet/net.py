@@ -23,7 +23,7 @@ from . import backprop
 from .blob import Blob
 from .data import layers as _data_layers  # noqa: F401  (registers the database readers)
 from .errors import NetError
-from .fusion import Folder
+from .execution.folding import Folder
 from .layers import Layer, layer_class
 from .params import LearnableParams
 from .passes import filter_net, make_state

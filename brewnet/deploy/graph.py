@@ -18,7 +18,7 @@ import torch
 
 from ..errors import NetError
 from ..execution.fast_path import Declined
-from ..fusion import Folder
+from ..execution.folding import Folder
 from ..layers import functional as Fn
 from ..net import Net
 from ..proto import caffe_pb2 as pb

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from . import blob as _blob
-from .layers import functional as Fn
+from .. import blob as _blob
+from ..layers import functional as Fn
 
 
 def _in_place(net, i: int, name: str) -> bool:
