@@ -17,7 +17,7 @@ bias N(0, 0.1)).
 The input blob is reshaped to ``--batch`` at the prototxt's size (``--size S``: S x S), given
 one fixed random input (an ``im_info`` input: the image's height, width, scale 1), and
 ``net.forward()`` is called ``--calls`` times. Call ``lean.AFTER + 1`` (11) is where a net that
-can become one graph is recorded and run as one (brewnet/lean.py).
+can become one graph is recorded and run as one (brewnet/execution/lean.py).
 
 Columns: "path" the one the net ended on (lean: the recorded graph; eager: layer by layer, with
 the reason brewnet gave); "before ms" the median wall time of calls 2-10; "switch ms" call 11;

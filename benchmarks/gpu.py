@@ -15,7 +15,7 @@ the run goes on):
              of all 8, updates included, as one captured graph) on random digits; ms per step
              (median) and whether the graph's params equal the eager run's bits;
   inference  open_nsfw's forward at batch 1 and 64, the plain path against lean inference
-             captured as a CUDA graph (brewnet/lean.py): ms per forward and the largest
+             captured as a CUDA graph (brewnet/execution/lean.py): ms per forward and the largest
              difference;
   many       ``benchmarks/many_nets.py --device cuda`` for K = 1, 2, 4, 8 LeNets (one-by-one, K
              processes, together, fused), eager; then one-by-one, together and fused again with

@@ -6,7 +6,7 @@ Prints ms per image at batch 1 and 16 for open_nsfw (real weights), LeNet (real 
 CaffeNet (random weights written to a temporary .caffemodel by brewnet), brewnet/OpenCV, and
 p90/p50 of brewnet's calls (steadiness). brewnet runs as a user's script does: plain
 ``caffe.Net(...).forward()``, its own thread choice (``--threads 0``; N fixes both sides to N),
-after warm-up calls (the 11th whole forward is where a net becomes one graph: brewnet/lean.py).
+after warm-up calls (the 11th whole forward is where a net becomes one graph: brewnet/execution/lean.py).
 OpenCV gets the usable cores. Column ``torch`` is the floor a PyTorch program of the same net
 meets: the net as one graph of plain torch ops (``brewnet.deploy.to_torch``, folded) called
 under ``torch.inference_mode`` with brewnet's thread count. Runs are interleaved and the median is taken, since these

@@ -10,6 +10,7 @@ import sys
 import warnings
 
 MOVED: dict[str, str] = {     # old path: new path
+    "brewnet.lean": "brewnet.execution.lean",
     "brewnet.fusion": "brewnet.execution.folding",
     "brewnet.graph_record": "brewnet.execution.recording",
     "brewnet.runtime": "brewnet.execution.process",

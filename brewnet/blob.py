@@ -31,7 +31,7 @@ def _fit(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
 
 
 class Blob:
-    _pending = None     # lean inference (brewnet/lean.py): brings a stale blob up to date
+    _pending = None     # lean inference (brewnet/execution/lean.py): brings a stale blob up to date
 
     def __init__(self, tensor: torch.Tensor, diff: torch.Tensor | None = None):
         self._t = tensor

@@ -1,7 +1,7 @@
 """Record the aten ops of one real run of a function as an FX graph, and call them fast.
 
 Used by the training step graph (brewnet/solvers/step_graph.py) and lean inference
-(brewnet/lean.py).
+(brewnet/execution/lean.py).
 
 ``make_fx`` would do this too, but its first call in a process imports torch._dynamo and
 torch._inductor (measured: 1.7-2.2 s of a 2.4 s first capture on the brewing-logreg net), which

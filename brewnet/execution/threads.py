@@ -21,7 +21,7 @@ The policy, for a Solver's training net (``Solver``) and a pycaffe ``Net``'s for
   batch 1 on a loaded 2-core machine: 1.3 s instead of 42 ms), and a 5-call trial of that would
   be seconds of latency spikes each time. A steady net thus pays at most two slower calls per
   re-check; the other calls stay on the faster count. A call that did one-off work (the lean
-  graph's trace, brewnet/lean.py) is left out (``Tuner.discard``).
+  graph's trace, brewnet/execution/lean.py) is left out (``Tuner.discard``).
 - **Passive waiting.** ``import brewnet`` before torch sets ``OMP_WAIT_POLICY=PASSIVE``
   (``brewnet/__init__.py``) unless the variable is set at all (even empty): idle OpenMP threads
   then sleep instead of spinning on the cores a neighbour (or another brewnet process) needs.

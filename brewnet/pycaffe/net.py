@@ -13,7 +13,7 @@ import numpy as np
 from .. import net as core
 from ..blob import ParamBlob
 from ..execution import process, threads
-from ..lean import LeanForward
+from ..execution.lean import LeanForward
 from ..net import NetError
 
 

@@ -51,11 +51,11 @@ import time
 
 import torch
 
-from .execution.fast_path import FAILED, FastPath
-from .execution.process import env_switch
-from .execution.recording import unbox
-from .net import _nhwc
-from .solvers.cuda_graph import device_refusal
+from ..net import _nhwc
+from ..solvers.cuda_graph import device_refusal
+from .fast_path import FAILED, FastPath
+from .process import env_switch
+from .recording import unbox
 
 log = logging.getLogger("brewnet")
 AFTER = 10      # whole forwards with the same input shapes before the net is traced
@@ -87,7 +87,7 @@ def small_conv(x, weight, bias, stride, pad, channels_last: bool):
 
 
 def dnn_linear(x, weight, bias):
-    from .layers.functional import _dnn_linear
+    from ..layers.functional import _dnn_linear
 
     return _dnn_linear()(x, weight, bias)
 
@@ -98,7 +98,7 @@ def choose_kernels(gm: torch.fx.GraphModule, channels_last: bool) -> int:
     ``GRAPH_DNN_MIN_WEIGHT`` weights or more to oneDNN's (the trace records BLAS ``addmm``;
     oneDNN pays for CaffeNet's fc6/fc7 at batch 16, ~70 vs ~98 ms for fc6, and loses below).
     Returns how many nodes changed."""
-    from .layers.functional import _dnn_linear
+    from ..layers.functional import _dnn_linear
 
     changed = 0
     for n in list(gm.graph.nodes):
@@ -235,8 +235,8 @@ class LeanForward:
         if self.net.device.type != "cuda":
             out = self.gm(*xs)
             return out if isinstance(out, tuple) else (out,)
-        from .execution.recording import same_bits
-        from .solvers.cuda_graph import CapturedGraph
+        from ..solvers.cuda_graph import CapturedGraph
+        from .recording import same_bits
 
         addresses = tuple(t.data_ptr() for t in (*self.gm.parameters(), *self.gm.buffers()))
         if self.captured is None or addresses != self._addresses:
@@ -299,8 +299,8 @@ class LeanForward:
         and its aten ops recorded (brewnet/execution/recording.py: milliseconds, where torch.export took
         seconds on its first call in a process). A run that branched on a value goes through
         torch.export instead."""
-        from .deploy.graph import _graph_module, _Tracee, traced_program
-        from .execution.recording import RecordError, record
+        from ..deploy.graph import _graph_module, _Tracee, traced_program
+        from .recording import RecordError, record
 
         net = self.net
         with torch.no_grad():
@@ -335,7 +335,7 @@ class LeanForward:
         version and the numpy views handed out): oneDNN converts an NCHW weight to its input's
         layout on every call (CaffeNet at batch 1: ~10 ms of its ~170 on one thread). Same
         values, same kernel: the same numbers."""
-        from . import blob as _blob
+        from .. import blob as _blob
 
         key = (_blob.param_views(), w._version)
         hit = self._nhwc_w.get(id(w))
