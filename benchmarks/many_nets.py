@@ -26,7 +26,7 @@ work; the losses mean nothing) and LeNet's prototxt is the vendored one (tests/d
 trains with torch's default threads, as a user's run would (``--threads N`` sets OMP_NUM_THREADS for every process
 instead); the machine may be shared, so compare within one run. The workers inherit the
 environment: ``BREWNET_STEP_GRAPH=1`` measures the step a long run gets (a solver replays its
-recorded forward-backward once 5000 iterations are ahead, brewnet/solvers/step_graph.py; the
+recorded forward-backward once 5000 iterations are ahead, brewnet/execution/recorded_step.py; the
 fused engine has its own step).
 """
 from __future__ import annotations

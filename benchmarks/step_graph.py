@@ -1,4 +1,4 @@
-"""The step graph (brewnet/solvers/step_graph.py) against the eager step.
+"""The step graph (brewnet/execution/recorded_step.py) against the eager step.
 
     python benchmarks/step_graph.py [--nets logreg,ip,lenet] [--rounds 3] [--update]
 

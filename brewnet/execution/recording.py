@@ -1,6 +1,6 @@
 """Record the aten ops of one real run of a function as an FX graph, and call them fast.
 
-Used by the training step graph (brewnet/solvers/step_graph.py) and lean inference
+Used by the training step graph (brewnet/execution/recorded_step.py) and lean inference
 (brewnet/execution/lean.py).
 
 ``make_fx`` would do this too, but its first call in a process imports torch._dynamo and

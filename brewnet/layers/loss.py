@@ -59,7 +59,7 @@ def check_labels(layer, label: torch.Tensor, k: int, ignore: int | None = None) 
     """Caffe CHECKs 0 <= label < K at every non-ignored position; torch's scatter_/gather
     would fail with an index error that names neither the layer nor the value. While a step
     graph is traced the check is recorded instead (it branches on values), and run before each
-    replay (brewnet/solvers/step_graph.py). A failure names the record the label was read from
+    replay (brewnet/execution/recorded_step.py). A failure names the record the label was read from
     when a data layer noted its batch (``origins.py``)."""
     record = getattr(DEFERRED, "record", None)
     if record is not None:

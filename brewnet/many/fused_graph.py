@@ -1,7 +1,7 @@
 """The fused step of K nets (forward, backward and every running net's update) as one recorded
 graph of aten ops; on CUDA that graph captured once more, so a step of all K is one replay.
 
-The step graph's idea (brewnet/solvers/step_graph.py) for ``FusedSolvers``: the data layer is
+The step graph's idea (brewnet/solvers/recorded_step.py) for ``FusedSolvers``: the data layer is
 read eagerly (its reader, transforms and position as in the eager step) and its tops are the
 graph's inputs; the stacked params and histories are inputs too, updated in place by the graph;
 every per-iteration number of the update is in ``scalars``, a (2, K) float32 tensor of each
@@ -11,14 +11,14 @@ takes these tensors in place of its host values: the same code, the same kernels
 range checks are recorded while tracing and run on the inputs before each replay.
 
 Recorded at the first iteration it is asked for (``BREWNET_STEP_GRAPH=1``) or, by default, at
-the second eager step when the run has ``step_graph.MIN_ITERS`` left and a step took under
-``step_graph.MAX_EAGER_S`` (on CUDA only when asked, until the GPU run has passed:
+the second eager step when the run has ``recorded_step.MIN_ITERS`` left and a step took under
+``recorded_step.MAX_EAGER_S`` (on CUDA only when asked, until the GPU run has passed:
 ``cuda_graph.DEFAULT_ON_CUDA``); that iteration runs the eager step (the reference), the
 recording, then the recorded graph's replay on the same state and inputs, and keeps the graph
 only if the replay gave the eager step's bits (losses, outputs, params, histories, gradients).
 A CUDA capture is checked likewise against the recorded graph's run. Keyed on the running nets,
 the stacked tensors (a ``drop`` restacks) and the solver fields baked in; refused with the
-reason at debug level: iter_size > 1, a layer type outside ``step_graph.PURE`` (Dropout draws
+reason at debug level: iter_size > 1, a layer type outside ``recorded_step.PURE`` (Dropout draws
 random numbers), a device without CUDA graphs. A replay runs MKL on torch's thread count (the
 eager step's large batched products do; the check catches a count that would differ).
 """
@@ -31,11 +31,10 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from ..execution import determinism
+from ..execution import determinism, recorded_step
 from ..execution.fast_path import FastPath
+from ..execution.recorded_step import PURE, _fold, as_param_grad, device_refusal, mode
 from ..execution.recording import same_bits
-from ..solvers import step_graph
-from ..solvers.step_graph import PURE, _fold, as_param_grad, device_refusal, mode
 
 log = logging.getLogger("brewnet")
 f32 = np.float32
@@ -215,8 +214,8 @@ class FusedStepGraph:
             return False
         if mode() == "1":
             return True
-        return (iters_left >= step_graph.MIN_ITERS and self.eager_calls >= 2
-                and self._last_s < step_graph.MAX_EAGER_S)
+        return (iters_left >= recorded_step.MIN_ITERS and self.eager_calls >= 2
+                and self._last_s < recorded_step.MAX_EAGER_S)
 
     def finish(self, active) -> bool:
         """The update part of an iteration ``forward_backward`` took: the replay's lr and
@@ -253,8 +252,8 @@ class FusedStepGraph:
     def _record(self, active, xs, before, steps, eager, ref) -> None:
         """Record the step on ``xs`` from the state ``before`` and keep it if its replay gives
         the eager step's bits (``eager``: the state after; ``ref``: losses, outputs, grads)."""
+        from ..execution.recorded_step import _deferred_label_checks
         from ..execution.recording import RecordError, record, unbox
-        from ..solvers.step_graph import _deferred_label_checks
 
         fs, state = self.fs, self._state()
         self.tries += 1

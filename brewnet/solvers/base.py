@@ -18,10 +18,10 @@ import torch
 
 from ..blob import diff_viewed
 from ..data import cursors
-from ..execution import determinism, process, threads
+from ..execution import determinism, process, recorded_step, threads
 from ..net import Net
 from ..proto import caffe_pb2 as pb
-from . import detection_eval, graph_update, step_graph
+from . import detection_eval, graph_update
 from . import snapshot as ss
 from .guards import LossNotFiniteError, nonfinite_origin, signal_effects
 from .logprefix import prefixed
@@ -351,23 +351,23 @@ class Solver:
         return value
 
     def _step_graph(self, iters_left: int):
-        """The train net's recorded forward-backward (step_graph.py) once this run is long
+        """The train net's recorded forward-backward (recorded_step.py) once this run is long
         enough to pay for the trace; None: the eager step."""
         g = getattr(self, "_graph", None)
         if g is not None and g.net is self.net:
             return g
         self._graph_iters = getattr(self, "_graph_iters", 0) + 1
-        if (step_graph.mode() != "1" and iters_left < step_graph.MIN_ITERS
-                and self._graph_iters < step_graph.MIN_ITERS):   # a loop of short step() calls
+        if (recorded_step.mode() != "1" and iters_left < recorded_step.MIN_ITERS
+                and self._graph_iters < recorded_step.MIN_ITERS):   # a loop of short step() calls
             return None
         refused = getattr(self, "_graph_refused", None)
         if refused is None or refused[0] is not self.net:
-            self._graph_refused = refused = (self.net, step_graph.refusal(self))
+            self._graph_refused = refused = (self.net, recorded_step.refusal(self))
             if refused[1]:
                 log.debug("step graph: %s", refused[1])
         if refused[1]:
             return None
-        g = self._graph = step_graph.StepGraph(self.net)
+        g = self._graph = recorded_step.StepGraph(self.net)
         return g
 
     def apply_update(self, display: bool = False, store_step: bool = True) -> None:

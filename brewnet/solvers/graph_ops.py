@@ -1,4 +1,4 @@
-"""FX pass over the step graph's recorded forward-backward (brewnet/solvers/step_graph.py):
+"""FX pass over the step graph's recorded forward-backward (brewnet/execution/recorded_step.py):
 splitting off the tops nothing in the step needs."""
 from __future__ import annotations
 

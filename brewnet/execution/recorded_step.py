@@ -46,10 +46,10 @@ from contextlib import contextmanager
 import torch
 
 from .. import backprop
-from ..execution.fast_path import FAILED, FastPath
-from ..execution.process import env_switch
-from ..execution.recording import RecordError, same_bits, unbox
-from .graph_ops import split_side_tops
+from ..solvers.graph_ops import split_side_tops
+from .fast_path import FAILED, FastPath
+from .process import env_switch
+from .recording import RecordError, same_bits, unbox
 
 log = logging.getLogger("brewnet")
 MIN_ITERS = 500    # a capture costs ~3 steps and 5-40 ms of recording (graph_record.py); it
@@ -197,7 +197,7 @@ class StepGraph:
     def wants_update(self) -> bool:
         """Whether the solver's update should be recorded for this step graph (on the CPU the
         eager one is kept: graph_update.ON_CPU)."""
-        from . import graph_update
+        from ..solvers import graph_update
         return graph_update.ON_CPU
 
     def forward_backward(self) -> torch.Tensor:
@@ -296,7 +296,7 @@ class StepGraph:
         if any(b._viewed("data") or b._viewed("diff") for b in net.blobs.values()):
             log.debug("step graph: a blob is viewed from numpy")
             return False
-        from ..execution.recording import record as record_graph
+        from .recording import record as record_graph
 
         self.params, self.seeds = self._params(), []
         saved = {n: (b._t, b._d, b._owned.copy()) for n, b in net.blobs.items()}
