@@ -8,7 +8,7 @@ the run goes on):
   parity     ``BREWNET_TEST_DEVICE=cuda python -m pytest`` over the device parity modules
              (tests/conftest.py DEVICE_MODULES): passed / failed / skipped counts, the failures;
   steps      a training step, eager against the CUDA step graph (brewnet/solvers/cuda_graph.py:
-             forward, backward and the recorded update, brewnet/solvers/graph_update.py, as one
+             forward, backward and the recorded update, brewnet/execution/recorded_update.py, as one
              captured graph): LeNet (batch 64), CIFAR10-quick (100), CaffeNet-like (256: CaffeNet
              without its Dropout layers, which a graph refuses) on a fixed synthetic host batch
              copied in each step; and 8 LeNets fused (brewnet/many/fused_graph.py: the fused step

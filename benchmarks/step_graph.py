@@ -11,7 +11,7 @@ CPU and wall time per step (in one process side by side, the two solvers slowed 
 unevenly). "first s" is the warm-up call, which holds the capture (trace and check). Every
 process trains the same number of iterations from the same seed: "bitwise" says whether its
 final params equal the eager process's. ``--update`` adds a third mode, "graph+upd": the step
-graph with the solver's recorded update (brewnet/solvers/graph_update.py) replayed on the CPU
+graph with the solver's recorded update (brewnet/execution/recorded_update.py) replayed on the CPU
 too (``graph_update.ON_CPU``), the CPU measurement behind keeping the eager update there.
 """
 from __future__ import annotations

@@ -17,8 +17,8 @@ What stays outside the graph, run eagerly each iteration:
 - the label range checks (``check_labels``) are data-dependent: recorded while tracing and
   run on the graph's input labels before each replay;
 - the solver's update on the CPU (measured: recording it gained nothing there,
-  ``graph_update.ON_CPU``); on CUDA the update recorded with its per-iteration numbers as
-  tensors (``graph_update.py``) is captured with the step: one replay (``cuda_graph.py``).
+  ``recorded_update.ON_CPU``); on CUDA the update recorded with its per-iteration numbers as
+  tensors (``recorded_update.py``) is captured with the step: one replay (``cuda_graph.py``).
 A TRAIN top nothing in the step needs (an Accuracy) is split off and computed when first read
 (``Blob._pending``), from values the step saved. Replayed ops go through torch's Python
 bindings rather than ``OpOverload`` (``graph_record.unbox``).
@@ -188,7 +188,7 @@ class StepGraph:
         self.side, self.side_tops = None, []
         self._core_tops: list[str] = []
         self.seeds: list[tuple] = []        # (blob, its diff tensor) seeding the backward
-        # the solver's recorded update (graph_update.UpdateGraph; None: not asked yet, False:
+        # the solver's recorded update (recorded_update.UpdateGraph; None: not asked yet, False:
         # refused); updated_at: the iteration whose update a replay did (update_out: its outputs)
         self.update = None
         self.updated_at, self.update_out = None, ()
@@ -196,9 +196,9 @@ class StepGraph:
 
     def wants_update(self) -> bool:
         """Whether the solver's update should be recorded for this step graph (on the CPU the
-        eager one is kept: graph_update.ON_CPU)."""
-        from ..solvers import graph_update
-        return graph_update.ON_CPU
+        eager one is kept: recorded_update.ON_CPU)."""
+        from . import recorded_update
+        return recorded_update.ON_CPU
 
     def forward_backward(self) -> torch.Tensor:
         """The weighted loss; param ``.grad`` set as the eager backward sets them."""

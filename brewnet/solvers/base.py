@@ -18,10 +18,10 @@ import torch
 
 from ..blob import diff_viewed
 from ..data import cursors
-from ..execution import determinism, process, recorded_step, threads
+from ..execution import determinism, process, recorded_step, recorded_update, threads
 from ..net import Net
 from ..proto import caffe_pb2 as pb
-from . import detection_eval, graph_update
+from . import detection_eval
 from . import snapshot as ss
 from .guards import LossNotFiniteError, nonfinite_origin, signal_effects
 from .logprefix import prefixed
@@ -260,7 +260,7 @@ class Solver:
                     self._log_outputs(self.net, "Train", {n: self.net.blobs[n].tensor for n in self.net.outputs})
                 for _, on_gradients in self._callbacks:
                     on_gradients and on_gradients()
-                if not graph_update.applied(self, display):   # the step graph's recorded update
+                if not recorded_update.applied(self, display):   # the step graph's recorded update
                     self.apply_update(display, store_step=False)
             self.iter += 1
             request = self._take_request()

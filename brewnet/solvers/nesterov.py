@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..execution.recorded_update import scaled_add, scaled_add_
 from .base import register
-from .graph_update import scaled_add, scaled_add_
 from .sgd import SGDSolver
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from ..execution.recorded_update import scaled_add, scaled_add_
 from .base import Solver, register, regularized_groups
 from .fused import FUSED_MIN, fused_sgd_matches, sgd_update
-from .graph_update import scaled_add, scaled_add_
 
 
 @register("SGD")

@@ -36,7 +36,7 @@ import logging
 import numpy as np
 import torch
 
-from .lr_policy import policy
+from ..solvers.lr_policy import policy
 
 log = logging.getLogger("brewnet")
 f32 = np.float32
@@ -70,7 +70,7 @@ def scaled_add(h: torch.Tensor, g: torch.Tensor, rate) -> torch.Tensor:
 def _ours(kind: type, method: str) -> bool:
     """``kind``'s ``method`` is one of brewnet's solver modules' (not a user's override)."""
     owner = next((c for c in kind.__mro__ if method in c.__dict__), None)
-    return owner is not None and owner.__module__.startswith(__package__ + ".")
+    return owner is not None and owner.__module__.startswith("brewnet.solvers.")
 
 
 def refusal(solver) -> str | None:
@@ -179,8 +179,8 @@ class UpdateGraph:
         update) and check the recorded graph's replay against the eager update on the same
         state: either way the update of this iteration is done when it returns (True: by the
         graph, which is kept)."""
-        from ..execution.recording import RecordError, same_bits, unbox
-        from ..execution.recording import record as record_graph
+        from .recording import RecordError, same_bits, unbox
+        from .recording import record as record_graph
 
         s = self.solver
         self.tries += 1
