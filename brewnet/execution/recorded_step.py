@@ -46,8 +46,8 @@ from contextlib import contextmanager
 import torch
 
 from .. import backprop
-from ..solvers.graph_ops import split_side_tops
 from .fast_path import FAILED, FastPath
+from .passes import split_side_tops
 from .process import env_switch
 from .recording import RecordError, same_bits, unbox
 
