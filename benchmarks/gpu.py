@@ -7,7 +7,7 @@ Parts, each in its own process under a time limit (a part that runs out is repor
 the run goes on):
   parity     ``BREWNET_TEST_DEVICE=cuda python -m pytest`` over the device parity modules
              (tests/conftest.py DEVICE_MODULES): passed / failed / skipped counts, the failures;
-  steps      a training step, eager against the CUDA step graph (brewnet/solvers/cuda_graph.py:
+  steps      a training step, eager against the CUDA step graph (brewnet/execution/cuda_graph.py:
              forward, backward and the recorded update, brewnet/execution/recorded_update.py, as one
              captured graph): LeNet (batch 64), CIFAR10-quick (100), CaffeNet-like (256: CaffeNet
              without its Dropout layers, which a graph refuses) on a fixed synthetic host batch

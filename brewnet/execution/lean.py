@@ -52,7 +52,7 @@ import time
 import torch
 
 from ..net import _nhwc
-from ..solvers.cuda_graph import device_refusal
+from .cuda_graph import device_refusal
 from .fast_path import FAILED, FastPath
 from .process import env_switch
 from .recording import unbox
@@ -235,7 +235,7 @@ class LeanForward:
         if self.net.device.type != "cuda":
             out = self.gm(*xs)
             return out if isinstance(out, tuple) else (out,)
-        from ..solvers.cuda_graph import CapturedGraph
+        from .cuda_graph import CapturedGraph
         from .recording import same_bits
 
         addresses = tuple(t.data_ptr() for t in (*self.gm.parameters(), *self.gm.buffers()))

@@ -34,7 +34,7 @@ under ``MAX_EAGER_S``. torch.compile (inductor) over the same graph was tried an
 brewing-logreg it gave 309 against the replay's 315 us a step (the forward-backward is no
 longer where the step's time goes) after a 4-20 s compile, and its kernels round differently.
 On CUDA the same recorded graph is captured once more as a CUDA graph and replayed by one
-launch (``brewnet/solvers/cuda_graph.py``): ``StepGraph(net)`` for a net on CUDA is a
+launch (``brewnet/execution/cuda_graph.py``): ``StepGraph(net)`` for a net on CUDA is a
 ``CudaStepGraph``, with the same refusals and the same bitwise check at capture.
 """
 from __future__ import annotations

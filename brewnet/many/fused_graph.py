@@ -321,7 +321,7 @@ class FusedStepGraph:
     def _capture(self, xs, scalars, state) -> None:
         """The recorded graph captured as a CUDA graph, its first replay checked against the
         recorded graph's run on the same state (which the caller then checks against eager)."""
-        from ..solvers.cuda_graph import CapturedGraph
+        from ..execution.cuda_graph import CapturedGraph
 
         before = [t.clone() for t in state]
         ref = [t.clone() for t in self._run(xs, scalars)]

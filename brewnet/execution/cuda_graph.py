@@ -32,8 +32,8 @@ import threading
 
 import torch
 
-from ..execution.recorded_step import DEVICE_GRAPHS, StepGraph, as_param_grad
-from ..execution.recording import same_bits
+from .recorded_step import DEVICE_GRAPHS, StepGraph, as_param_grad
+from .recording import same_bits
 
 log = logging.getLogger("brewnet")
 WARMUP = 3      # eager runs on a side stream before capture (torch's docs use 3 for DDP/AMP)
