@@ -11,7 +11,7 @@ the run goes on):
              forward, backward and the recorded update, brewnet/execution/recorded_update.py, as one
              captured graph): LeNet (batch 64), CIFAR10-quick (100), CaffeNet-like (256: CaffeNet
              without its Dropout layers, which a graph refuses) on a fixed synthetic host batch
-             copied in each step; and 8 LeNets fused (brewnet/many/fused_graph.py: the fused step
+             copied in each step; and 8 LeNets fused (brewnet/execution/recorded_fused_step.py: the fused step
              of all 8, updates included, as one captured graph) on random digits; ms per step
              (median) and whether the graph's params equal the eager run's bits;
   inference  open_nsfw's forward at batch 1 and 64, the plain path against lean inference

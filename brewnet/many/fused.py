@@ -242,8 +242,8 @@ class FusedSolvers:
             yield
 
     def _step_graph(self):
-        """The fused step as a recorded graph (``fused_graph.py``) where it can be; None: eager."""
-        from . import fused_graph
+        """The fused step as a recorded graph (``recorded_fused_step.py``) where it can be; None: eager."""
+        from ..execution import recorded_fused_step
 
         g = getattr(self, "_graph", None)
         if g is not None and g.fused is self.fused:
@@ -251,12 +251,12 @@ class FusedSolvers:
         refused = getattr(self, "_graph_refused", None)
         if refused is not None and refused[0] is self.fused:
             return None
-        why = fused_graph.refusal(self)
+        why = recorded_fused_step.refusal(self)
         if why:
             log.debug("fused step graph: %s", why)
             self._graph_refused = (self.fused, why)
             return None
-        g = self._graph = fused_graph.FusedStepGraph(self)
+        g = self._graph = recorded_fused_step.FusedStepGraph(self)
         return g
 
     def _finish(self, pending, first_losses, start) -> None:

@@ -31,10 +31,10 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from ..execution import determinism, recorded_step
-from ..execution.fast_path import FastPath
-from ..execution.recorded_step import PURE, _fold, as_param_grad, device_refusal, mode
-from ..execution.recording import same_bits
+from . import determinism, recorded_step
+from .fast_path import FastPath
+from .recorded_step import PURE, _fold, as_param_grad, device_refusal, mode
+from .recording import same_bits
 
 log = logging.getLogger("brewnet")
 f32 = np.float32
@@ -77,12 +77,12 @@ class FusedStepGraph:
 
     # -- what the graph reads ------------------------------------------------------------
     def _sources(self) -> list[int]:
-        from .fused_layers import _is_source
+        from ..many.fused_layers import _is_source
         return [i for i, layer in enumerate(self.fs.fused.nets[0].layer_list) if _is_source(layer)]
 
     def _read(self) -> list[torch.Tensor]:
         """The data layers' tops, read once as the eager step reads them."""
-        from .fused_layers import _share_position
+        from ..many.fused_layers import _share_position
         fused, xs = self.fs.fused, []
         for i in self._sources():
             reader = fused.source.layer_list[i]
@@ -127,7 +127,7 @@ class FusedStepGraph:
     def _scalars(self, active) -> torch.Tensor:
         """(2, K): each stack position's rate and Adam correction (1 elsewhere); the rates of the
         running nets come from their lr policies (moving current_step, once per iteration)."""
-        from .fused_rules import corrections
+        from ..many.fused_rules import corrections
         fs = self.fs
         values = np.ones((2, len(fs.order)), np.float32)
         run = [k for k in fs.order if k in active]
@@ -252,8 +252,8 @@ class FusedStepGraph:
     def _record(self, active, xs, before, steps, eager, ref) -> None:
         """Record the step on ``xs`` from the state ``before`` and keep it if its replay gives
         the eager step's bits (``eager``: the state after; ``ref``: losses, outputs, grads)."""
-        from ..execution.recorded_step import _deferred_label_checks
-        from ..execution.recording import RecordError, record, unbox
+        from .recorded_step import _deferred_label_checks
+        from .recording import RecordError, record, unbox
 
         fs, state = self.fs, self._state()
         self.tries += 1
@@ -321,7 +321,7 @@ class FusedStepGraph:
     def _capture(self, xs, scalars, state) -> None:
         """The recorded graph captured as a CUDA graph, its first replay checked against the
         recorded graph's run on the same state (which the caller then checks against eager)."""
-        from ..execution.cuda_graph import CapturedGraph
+        from .cuda_graph import CapturedGraph
 
         before = [t.clone() for t in state]
         ref = [t.clone() for t in self._run(xs, scalars)]
