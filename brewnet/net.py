@@ -26,8 +26,8 @@ from .errors import NetError
 from .execution.folding import Folder
 from .layers import Layer, layer_class
 from .params import LearnableParams
-from .passes import filter_net, make_state
 from .proto import caffe_pb2 as pb
+from .proto.filter import filter_net, make_state
 
 log = logging.getLogger("brewnet")
 __all__ = ["Net", "NetError"]

@@ -162,7 +162,7 @@ def data_layer_scores(model, weights, views: int, iterations: int, output: str |
     import os
 
     from ..net import Net
-    from ..passes import filter_net, make_state
+    from ..proto.filter import filter_net, make_state
     from ..proto.io import read_net
     from ..weights import load_weights
 

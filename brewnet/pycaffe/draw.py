@@ -11,8 +11,8 @@ import os
 
 import pydot
 
-from ..passes import filter_net, make_state
 from ..proto import caffe_pb2 as pb
+from ..proto.filter import filter_net, make_state
 
 LAYER_STYLE = {"shape": "record", "style": "filled", "fillcolor": "#6495ED"}
 NEURON_STYLE = {"shape": "record", "style": "filled", "fillcolor": "#90EE90"}

@@ -391,7 +391,7 @@ def _check_phase(phase: str) -> None:
 
 
 def _same_phase(layer, phase: int) -> bool:
-    from ...passes import layer_included, make_state
+    from ...proto.filter import layer_included, make_state
 
     return layer_included(make_state(phase), layer)
 

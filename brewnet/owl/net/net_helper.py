@@ -53,7 +53,7 @@ def owl_param(param: "pb.NetParameter") -> "pb.NetParameter":
 
 def batch_layers(param: "pb.NetParameter", phase: int):
     """(layer, its batch-size message) for the data layers of ``param`` in ``phase``."""
-    from ...passes import layer_included, make_state
+    from ...proto.filter import layer_included, make_state
 
     state = make_state(phase)
     for l in param.layer:

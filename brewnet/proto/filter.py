@@ -1,7 +1,7 @@
 """NetParameter -> NetParameter steps run before anything is built (Caffe's ``Net::FilterNet``)."""
 from __future__ import annotations
 
-from .proto import caffe_pb2 as pb
+from . import caffe_pb2 as pb
 
 
 def make_state(phase: int = pb.TEST, level: int = 0, stages=(), base=None) -> "pb.NetState":
