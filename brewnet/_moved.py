@@ -10,6 +10,7 @@ import sys
 import warnings
 
 MOVED: dict[str, str] = {     # old path: new path
+    "brewnet.deploy.graph": "brewnet.deploy.fx_export",
     "brewnet.passes": "brewnet.proto.filter",
     "brewnet.many.fused_graph": "brewnet.execution.recorded_fused_step",
     "brewnet.solvers.cuda_graph": "brewnet.execution.cuda_graph",

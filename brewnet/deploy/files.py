@@ -9,7 +9,7 @@ import os
 import torch
 
 from ..errors import NetError
-from .graph import to_torch
+from .fx_export import to_torch
 
 log = logging.getLogger("brewnet")
 __all__ = ["export_onnx", "export_program", "MIN_OPSET"]

@@ -299,7 +299,7 @@ class LeanForward:
         and its aten ops recorded (brewnet/execution/recording.py: milliseconds, where torch.export took
         seconds on its first call in a process). A run that branched on a value goes through
         torch.export instead."""
-        from ..deploy.graph import _graph_module, _Tracee, traced_program
+        from ..deploy.fx_export import _graph_module, _Tracee, traced_program
         from .recording import RecordError, record
 
         net = self.net
