@@ -33,7 +33,7 @@ from .data import layers as _data_layers  # noqa: E402,F401  (registers Data, Im
 from .deploy import to_torch  # noqa: E402
 from .execution.determinism import is_deterministic, set_deterministic  # noqa: E402
 from . import video  # noqa: E402,F401  (brewnet.video.VideoNet)
-from .surgery import fully_convolutional  # noqa: E402
+from .deploy.surgery import fully_convolutional  # noqa: E402
 from .layers import register_layer  # noqa: E402  (plugins: @brewnet.register_layer("Type"))
 from .layers.python import Layer  # noqa: E402  (base class of Python layers)
 from .many.merge import merge_indep_net_spec, merge_nets  # noqa: E402  (nideep's merge)

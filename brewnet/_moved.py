@@ -10,6 +10,7 @@ import sys
 import warnings
 
 MOVED: dict[str, str] = {     # old path: new path
+    "brewnet.surgery": "brewnet.deploy.surgery",
     "brewnet.deploy.graph": "brewnet.deploy.fx_export",
     "brewnet.passes": "brewnet.proto.filter",
     "brewnet.many.fused_graph": "brewnet.execution.recorded_fused_step",

@@ -126,7 +126,7 @@ def _net(args):
             raise ValueError(f"--size '{args.size}': expected WxH, e.g. 320x240") from None
         size = (h, w)
     if args.fully_convolutional:
-        from ..surgery import fully_convolutional
+        from ..deploy.surgery import fully_convolutional
 
         return fully_convolutional(net, size)
     if size is not None and net.inputs:

@@ -9,8 +9,8 @@ the stride of the last convolution's bottom.
 """
 from __future__ import annotations
 
-from .errors import NetError
-from .proto import caffe_pb2 as pb
+from ..errors import NetError
+from ..proto import caffe_pb2 as pb
 
 __all__ = ["fully_convolutional", "fully_convolutional_param"]
 
