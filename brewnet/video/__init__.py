@@ -39,7 +39,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 import torch
 
-from .errors import NetError
+from ..errors import NetError
 
 __all__ = ["VideoNet", "FrameOutput", "read_frames", "split_index", "parse_keyframes", "change",
            "pool_measure", "warp"]
