@@ -98,7 +98,7 @@ def test_call_n_equals_call_1_on_folded_chains(combo, caplog, monkeypatch):
 @pytest.mark.parametrize("combo", COMBOS, ids=[_ids(c) for c in COMBOS])
 def test_to_torch_folded_equals_the_net(combo, tmp_path):
     """``to_torch(fold=True)`` on every combination gives the net's outputs."""
-    from brewnet.deploy.graph import to_torch
+    from brewnet.deploy.fx_export import to_torch
 
     net = _build(combo)
     weights = tmp_path / "w.caffemodel"
@@ -132,7 +132,7 @@ def test_a_lean_graph_that_fails_warns_once_and_the_net_goes_on_eager(when, capl
     """A layer failing while the graph is traced (``build``), or the graph failing at its 15th
     call (``call``): one warning naming the net, the layer and the reason; every call returns
     the eager outputs; the graph is never tried again."""
-    from brewnet.lean import LeanForward
+    from brewnet.execution.lean import LeanForward
 
     monkeypatch.delenv("BREWNET_LEAN", raising=False)
     combo = (False, "bias", False, False)
@@ -196,7 +196,7 @@ def _logreg_solver(feed):
 def test_a_step_graph_that_fails_warns_once_and_training_goes_on_eager(when, monkeypatch, caplog):
     """The recorded training step failing at its capture or at a replay: one warning naming
     the net and the reason, and the run's numbers bit for bit those of the eager run."""
-    from brewnet.solvers.step_graph import StepGraph
+    from brewnet.execution.recorded_step import StepGraph
     from test_step_graph import logreg_feed, state
 
     monkeypatch.setenv("BREWNET_STEP_GRAPH", "0")
@@ -235,16 +235,16 @@ def test_a_bad_label_in_a_replay_is_still_the_users_error(monkeypatch, caplog):
 
 
 def test_thread_tuning_that_fails_warns_once_and_the_calls_go_on(monkeypatch, caplog):
-    from brewnet import threads
+    from brewnet.execution import threads
 
     monkeypatch.delenv("BREWNET_LEAN", raising=False)
     net = _build((True, None, False, False))
     net.name = "tuned"
     x = np.random.default_rng(3).standard_normal((2, 4, 9, 9)).astype(np.float32)
 
-    def broken(self, dt):
+    def broken(self, fixed):
         raise ZeroDivisionError("float division by zero")
-    monkeypatch.setattr(threads.Tuner, "_exit", broken)
+    monkeypatch.setattr(threads.Tuner, "_enter", broken)     # runs on every call
     with caplog.at_level(logging.WARNING, logger="brewnet"):
         outs = [net.forward(data=x)["ip"].copy() for _ in range(CALLS)]
     warned = _warnings(caplog)

@@ -3,9 +3,9 @@ switch off, bit for bit: LeNet and CIFAR10-quick (Caffe's own train/test prototx
 their data layers swapped for Input layers fed deterministic random batches) and a small residual
 net (Convolution without bias -> BatchNorm -> Scale, an Eltwise SUM shortcut).
 
-The default run sets no ``BREWNET_*`` variable: a ``solve`` of at least ``step_graph.MIN_ITERS``
+The default run sets no ``BREWNET_*`` variable: a ``solve`` of at least ``recorded_step.MIN_ITERS``
 iterations records the train net's forward-backward at its second eager step when that step took
-under ``step_graph.MAX_EAGER_S`` (brewnet/solvers/step_graph.py) and replays it after that. The
+under ``recorded_step.MAX_EAGER_S`` (brewnet/execution/recorded_step.py) and replays it after that. The
 plain run sets ``BREWNET_STEP_GRAPH=0`` and ``BREWNET_LEAN=0``. Every layer blob (learnable
 params and BatchNorm's statistics), every history tensor, the loss of every iteration and every
 test net output must be the same bits. The batches are small enough that a step stays under
@@ -20,12 +20,12 @@ import pytest
 import torch
 
 import brewnet
+from brewnet.execution import recorded_step
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import parse_text, read_net, read_solver
-from brewnet.solvers import step_graph
 from helpers import VENDORED, swap_data_layers
 
-ITERS = 600             # past step_graph.MIN_ITERS: the default run is long enough to record
+ITERS = 600             # past recorded_step.MIN_ITERS: the default run is long enough to record
 BATCHES = 16            # distinct random batches, cycled
 EXAMPLES = VENDORED / "caffe-models" / "bvlc" / "examples"
 
@@ -181,14 +181,14 @@ def test_replayed_training_equals_plain_bitwise(name, monkeypatch, caplog):
     # later one under MAX_EAGER_S. Every step after it a replay.
     first = fast["replayed"].index(True)
     assert first >= 1 and all(fast["replayed"][first:]) and s._graph.eager_calls == first + 1
-    assert first < ITERS - step_graph.MIN_ITERS, f"recorded only at iteration {first}"
+    assert first < ITERS - recorded_step.MIN_ITERS, f"recorded only at iteration {first}"
     plain = train(name, monkeypatch, plain=True)
     assert getattr(plain["solver"], "_graph", None) is None and not any(plain["replayed"])
     assert_same_bits(fast, plain)
 
 
 def test_residual_batchnorm_training_equals_plain_bitwise(monkeypatch, caplog):
-    """BatchNorm is not in ``step_graph.PURE`` (its TRAIN forward updates its running sums in
+    """BatchNorm is not in ``recorded_step.PURE`` (its TRAIN forward updates its running sums in
     place), so the step graph refuses this net and says why at debug level: the default run
     stays eager. When the step graph learns BatchNorm, turn this expectation into the other
     nets' (``_graph.gm is not None``)."""
@@ -196,7 +196,7 @@ def test_residual_batchnorm_training_equals_plain_bitwise(monkeypatch, caplog):
     fast = train("residual", monkeypatch, plain=False)
     s = fast["solver"]
     why = "layer 'bn0' of type BatchNorm"
-    assert "BatchNorm" not in step_graph.PURE
+    assert "BatchNorm" not in recorded_step.PURE
     assert s._graph_refused[1] == why
     assert f"step graph: {why}" in [r.getMessage() for r in caplog.records]
     assert not any(fast["replayed"])

@@ -101,3 +101,63 @@ def test_no_import_cycle():
 def test_no_loose_module_shadows_or_duplicates(name):
     # The stdlib-shadowing logging.py and the loose pycaffe/analysis modules have one home now.
     assert not (ROOT / f"{name}.py").exists()
+
+
+MAX_MODULE_DOC = 15     # lines: what the module is for and the decisions a reader must know
+MAX_FILE = 600          # lines: a file a reader takes in at once (split one by concept)
+
+
+def _module_doc_lines(path: Path) -> int:
+    doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+    return len(doc.strip("\n").splitlines()) if doc else 0
+
+
+def test_module_docstrings_are_short():
+    """Measurements and history belong in docs/ and benchmarks/, not in a module docstring."""
+    long = {module_name(p): n for p in ROOT.rglob("*.py") if (n := _module_doc_lines(p)) > MAX_MODULE_DOC}
+    assert not long, f"module docstrings over {MAX_MODULE_DOC} lines: {long}"
+
+
+def test_files_are_short():
+    long = {module_name(p): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_FILE}
+    assert not long, f"files over {MAX_FILE} lines: {long}"
+
+
+def test_the_way_a_net_runs_has_one_package():
+    """Thread policy, determinism, process settings, recording and replay, CUDA graphs, lean
+    inference, folding and the fast-path guard live in brewnet/execution, not loose at the top."""
+    loose = {"threads", "determinism", "runtime", "graph_record", "lean", "fusion", "fast_path"}
+    assert not {n for n in loose if (ROOT / f"{n}.py").exists()}
+    for old in ("step_graph", "graph_update", "graph_ops", "cuda_graph"):
+        assert not (ROOT / "solvers" / f"{old}.py").exists()
+    assert not (ROOT / "many" / "fused_graph.py").exists()
+
+
+def test_moved_modules_import_from_their_old_paths_with_a_warning():
+    import importlib
+    import sys
+    import warnings
+
+    from brewnet._moved import MOVED
+
+    for old, new in MOVED.items():
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mod = importlib.import_module(old)
+        assert mod is importlib.import_module(new), old
+        assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message)
+                   for w in caught), old
+
+
+def test_the_package_map_in_the_docs_is_the_codes():
+    """docs/internals.md's map (docs/figures/package_map.dot) is drawn from the imports as they
+    are: ``python docs/package_map.py`` redraws it after a change."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("package_map", ROOT.parent / "docs" / "package_map.py")
+    pm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pm)
+    committed = (ROOT.parent / "docs" / "figures" / "package_map.dot").read_text()
+    assert committed == pm.dot(), "the package map is stale: run python docs/package_map.py"
