@@ -1,29 +1,15 @@
-"""A recorded graph of aten ops captured as a CUDA graph: one launch replays a whole step.
+"""A recording captured as a CUDA graph: one launch replays a whole step.
 
-A small net's step on a GPU is launch-bound: LeNet's forward-backward is ~60 kernels of a few
-microseconds each, and the CPU that queues them (Python per layer, autograd, one launch per
-kernel) is slower than the GPU that runs them. The CPU step graph (``step_graph.py``) already
-removes the Python; here its recorded graph is captured once more with ``torch.cuda.graphs``
-and the whole forward-backward is one ``CUDAGraph.replay()``:
-- the graph reads fixed memory: each step the inputs (the data layers' tops, made eagerly as
-  on the CPU, so readers, transforms and their RNGs are untouched) are copied into static
-  input buffers, and the outputs (loss, tops, param gradients) come back in the graph's own
-  memory, rewritten by the next replay, as a Caffe blob's memory is by the next forward;
-- the params are read where they live: the solver updates them in place, so a replay sees the
-  new values; a new param tensor (``copy_from``, surgery) changes the step graph's key and
-  re-captures, as on the CPU;
-- before capture the graph runs three times on a side stream (cuBLAS/cuDNN workspaces and
-  lazy initialisation happen there, not inside the capture), as torch's documentation asks;
-- K nets trained together (``brewnet.many.TrainTogether``) each get their own step graph on
-  their worker thread: K captures, one at a time, each on its own stream, replayed side by side;
-- the capture is checked as the CPU one is: its first replay must give the eager step's bits
-  (loss, every top, every gradient) or the eager step is kept, with a warning.
-- the update: once the solver's update is recorded too (``graph_update.py``: the rate, Adam's
-  correction and the clipping scale are tensors there, so a capture does not freeze them),
-  forward, backward and update are captured as one more graph and a step is one replay; that
-  capture is checked against the forward-backward graph and the recorded update run one after
-  the other on the same state (params, history, every output), else the two are kept.
-``CapturedGraph`` is the generic part, also used by lean inference on CUDA (``lean.py``).
+The recorded step (``recorded_step.py``) removes a small net's Python; here its recording is
+captured with ``torch.cuda.graphs``, so the forward-backward, and with the recorded update
+(``recorded_update.py``) the update too, is one ``CUDAGraph.replay()``. A CUDA graph reads fixed
+memory: each step the inputs (the data layers' tops, made eagerly) are copied into static buffers,
+and the outputs come back in the graph's own memory, rewritten by the next replay as a Caffe
+blob's is by the next forward; params are read in place, and a new param tensor re-captures.
+Invariant: a capture's first replay gives the eager step's bits (loss, tops, gradients), else the
+eager step stays, with a warning; with the update, the bits of the recording and the recorded
+update run one after the other, else those two stay. ``CapturedGraph`` is the generic part, also
+used by lean inference (``execution/lean.py``). The details: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 
@@ -103,7 +89,7 @@ class CapturedGraph:
 
 class CudaStepGraph(StepGraph):
     """The step graph of a net on CUDA: recorded as on the CPU, then captured (see above);
-    with the solver's recorded update (graph_update.py) forward, backward and update are
+    with the solver's recorded update (recorded_update.py) forward, backward and update are
     captured as one graph (``_whole``), checked against the two run one after the other."""
 
     KIND = "CUDA graph"

@@ -1,32 +1,15 @@
 """The same bits on any thread count: which kernels do, and the switch for the ones that may not.
 
-A training run's numbers must not depend on how many torch threads run it: the thread count
-follows the net's size and the machine's cores (brewnet/execution/threads.py), so otherwise a net trained
-in a merged or together run (other counts) or on another machine would end with other weights
-than the same net trained alone. Measured per layer and thread count by
-``benchmarks/thread_bits.py``; two kinds of kernel split a sum between threads:
-
-- **BLAS matrix products** (small InnerProducts, im2col convolutions): MKL splits the inner
-  dimension for skinny shapes (LeNet ip2's weight gradient: 1 and 2 threads differ). MKL's
-  strict conditional numerical reproducibility (``MKL_CBWR=AUTO,STRICT``, set on ``import
-  brewnet`` unless the variable is set) keeps one order for most shapes, but not the tiniest
-  (10 x 16 x 64 still differs here, an AMD CPU), so a training thread also runs MKL on one
-  thread (``blas_on_one_thread``): the products left to MKL are small, where one thread is
-  as fast. Larger InnerProducts use oneDNN's, which kept its bits on 1, 2 and 4 threads for
-  every shape tried. MKL reads ``MKL_CBWR`` at its first call: a process that multiplied
-  matrices before importing brewnet keeps MKL's default (the log warns once).
-- **oneDNN's convolution weight gradient** reduces the batch with one partial sum per thread for
-  some shapes (LeNet's convolutions: few channels) and not for others (CIFAR-10's). Each
-  convolution shape is checked once: the oneDNN weight gradient on 1 thread and on each count
-  brewnet may use here (``counts()``); where they differ, that layer's weight and bias gradients
-  come from im2col and one matrix product per image instead (Caffe's own formulation; thread
-  invariant through BLAS), elsewhere oneDNN stays (faster).
-
-**Deterministic mode** (``set_deterministic(True)``, ``BREWNET_DETERMINISTIC=1``, ``brewnet
-train --deterministic``): every convolution's weight gradient takes the per-image path without
-asking oneDNN, so a run's bits hold on any thread count and on any machine of the same CPU
-architecture (the check above only covers this machine's counts); it costs what oneDNN's
-faster weight gradient saved (``benchmarks/thread_bits.py`` measures it).
+A training run's numbers must not depend on its torch thread count (``threads.py`` picks it from
+the net's size and the cores), else a net trained merged, together or elsewhere would end with
+other weights than alone. Two kinds of kernel split a sum between threads:
+- **BLAS products**: ``MKL_CBWR=AUTO,STRICT`` (set on ``import brewnet`` unless set), and a
+  training thread runs MKL on one thread (``blas_on_one_thread``); large InnerProducts use oneDNN.
+- **oneDNN's convolution weight gradient**: each shape is checked once on 1 thread and on each of
+  ``counts()``; where they differ, im2col and one product per image (Caffe's formulation).
+**Deterministic mode** (``set_deterministic(True)``, ``BREWNET_DETERMINISTIC=1``, ``brewnet train
+--deterministic``): every convolution takes the per-image path: the same bits on any machine of
+the same CPU architecture. Why, and the measurements: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

@@ -1,46 +1,15 @@
-"""Lean inference: a TEST net's repeated whole forward as one graph of plain torch ops.
+"""Lean inference: a TEST net's repeated whole forward as one recording of plain torch ops.
 
-pycaffe scripts call ``net.forward()`` in a loop and read the outputs. After ``AFTER`` such
-calls with the same input shapes, the net is traced once into ``to_torch``'s graph (BatchNorm
-and Scale folded into the convolutions) and later whole forwards run that graph: no per-layer
-dispatch, no blob bookkeeping for the blobs between input and output. Pycaffe's semantics are
-kept by a transparent fallback:
-- Intermediate blobs are not written by the graph; they are marked stale, and the first read
-  of one (``.data``, ``.tensor``) re-runs the plain forward on the inputs the graph saw, so
-  ``net.blobs['conv1'].data`` after a forward is what Caffe would show.
-- A forward with ``start``/``end``/``blobs=``, a net that needs a backward (a loss or
-  ``force_backward``), a live numpy view of an intermediate blob (it must follow each forward,
-  as Caffe's memory does), other input shapes, or a net the trace refuses: the plain path.
-- The graph reads the layers' own parameter tensors (the folded ones through ``Folder``'s cache,
-  which watches numpy views and versions), so net surgery between calls is seen.
-The graph is traced on NHWC inputs and run on them, as the plain CPU path runs, so it calls the
-same kernels, with two fixed kernel choices by size (never by timing, so the numbers never depend
-on the run; ``choose_kernels``):
-- a 2-D convolution under ``SMALL_CONV_FLOPS`` for the whole batch runs on torch's own im2col +
-  GEMM kernel instead of oneDNN's, whose primitives cost several times more for these (LeNet at
-  batch 1: conv1 ~116 vs ~28 us, conv2 ~210 vs ~85 us);
-- an inner product with ``GRAPH_DNN_MIN_WEIGHT`` weights or more runs on oneDNN's (the trace
-  records BLAS ``addmm``; oneDNN pays for CaffeNet's fc6 and fc7 at batch 16, loses below).
-Numbers: where neither rule changes a kernel the plain path uses, the graph gives its outputs
-bit for bit (open_nsfw at batch 1 and 16, measured); a re-chosen kernel sums in another order,
-so outputs agree with the plain path within ``1e-5`` of their largest magnitude
-(tests/test_lean.py, on LeNet, CIFAR-10 and open_nsfw; measured ~2e-6 on LeNet at batch 1).
-
-On CUDA the recorded graph (no kernel re-chosen there) is captured once more as a CUDA graph
-(``solvers/cuda_graph.CapturedGraph``: static input buffers, one launch a forward) and checked at
-capture: its first replay must give the recorded graph's bits, else the net stays plain. The
-capture is keyed on the addresses of the tensors the graph reads, so surgery re-captures.
-Until the GPU run has passed (``cuda_graph.DEFAULT_ON_CUDA``), only with ``BREWNET_LEAN=1`` set.
-
-On by default; ``BREWNET_LEAN=0`` keeps every forward on the plain path. Measured through
-``Net.forward`` on one thread, interleaved with the plain path in one process (a loaded 2-core
-machine): LeNet at batch 1 ~0.64x the plain path's time, batch 16 ~0.92x; open_nsfw at batch 1
-~0.78x, CaffeNet ~0.93x (the NHWC weights and the per-layer Python saved); at batch 16 the
-kernels dominate (0.98-1.03x). The graph is recorded once per input shape, at the
-``AFTER + 1``-th call, from one run of the folded module (``LeanForward._record``; logged;
-left out of the thread timing: brewnet/execution/threads.py): that call took 0.05 s on LeNet and 0.5 s on
-open_nsfw at batch 1, where torch.export took 3.7 and 5.2 s (its first call in a process imports
-torch._dynamo); export remains the fallback when the recording refuses.
+After ``AFTER`` whole ``net.forward()`` calls with the same input shapes, the net is recorded once
+per input shape as ``to_torch``'s folded graph, on NHWC inputs as the plain CPU path runs, and
+later whole forwards replay it. Pycaffe's semantics hold by a transparent fallback: intermediate
+blobs are marked stale and re-made by the plain path when first read; ``start``/``end``/``blobs=``,
+a net needing a backward, a live numpy view of an intermediate blob, other shapes or a refused
+trace take the plain path; the layers' own tensors are read, so net surgery is seen. Kernels are
+re-chosen by size, never by timing (``choose_kernels``): outputs equal the plain path's bit for
+bit where none is re-chosen, else within ``1e-5`` of their scale. On CUDA: also a CUDA graph
+(``cuda_graph.py``), kept if its first replay gives the same bits. ``BREWNET_LEAN=0`` off, ``=1``
+on CUDA too. Why, and the measurements: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

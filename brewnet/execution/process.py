@@ -1,22 +1,15 @@
-"""Process-wide settings, in one place: the default device, true float32 on CUDA, and the CPU
-allocator. Nothing here runs on import or inside a Net or a layer; the entry points call
-``configure``: pycaffe's ``set_mode_gpu``/``set_device``, a Solver when it is built, and each
-CLI command (train, test, time). A program that uses the core ``Net`` directly on CUDA calls
-``brewnet.execution.process.configure(device)`` itself to get Caffe's numbers.
+"""Process-wide settings, in one place: the default device, true float32 on CUDA, the CPU allocator.
 
+Nothing here runs on import or inside a Net or a layer; the entry points call ``configure``:
+pycaffe's ``set_mode_gpu``/``set_device``, a Solver when it is built, and each CLI command
+(train, test, time). A program that uses the core ``Net`` directly on CUDA calls
+``brewnet.execution.process.configure(device)`` itself to get Caffe's numbers.
 - **Default device** (pycaffe's mode): where a Net goes when no device is given.
-- **True float32 on CUDA**: cuDNN's default TF32 convolutions are ~1e-3 off; Caffe computes in
-  IEEE float32, so ``configure`` with a CUDA device turns TF32 off (convolutions and matmuls).
-- **Freed memory kept** (``keep_memory=True``, the CPU): glibc hands every block of 32 MB or
-  more back to the kernel when it is freed (mmap/munmap) and trims the top of its heap; the next
-  training step then page-faults and zeroes the same gradients and activations again. CaffeNet's
-  fc6 weight gradient alone is 151 MB: fresh, its matrix product takes ~100 ms instead of ~16
-  (benchmarks/train.py). Caffe keeps every blob allocated for the whole run; this is the
-  allocator-level equivalent: once per process, large blocks come from the heap (M_MMAP_MAX 0)
-  and freed memory stays there (M_TRIM_THRESHOLD at its maximum), as in PyTorch's own advice to
-  run CPU training under jemalloc or tcmalloc. The process keeps its peak memory until it ends.
-  ``BREWNET_KEEP_MEMORY=0`` leaves the allocator alone; other C libraries (musl, macOS) are left
-  alone too. Training and ``brewnet time`` ask for it; a serving process may too (steady latency).
+- **True float32 on CUDA**: ``configure`` with a CUDA device turns TF32 off (Caffe's IEEE float32).
+- **Freed memory kept** (``keep_memory=True``, glibc only): large blocks come from the heap and
+  freed memory stays there, as Caffe keeps its blobs; the process keeps its peak memory. Training
+  and ``brewnet time`` ask for it; ``BREWNET_KEEP_MEMORY=0`` leaves the allocator alone.
+Why, and the measurements: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

@@ -1,26 +1,15 @@
-"""The fused step of K nets (forward, backward and every running net's update) as one recorded
-graph of aten ops; on CUDA that graph captured once more, so a step of all K is one replay.
+"""The recorded fused step: K nets' forward, backward and updates as one recording of aten ops;
+on CUDA captured once more as a CUDA graph, so a step of all K is one replay.
 
-The step graph's idea (brewnet/solvers/recorded_step.py) for ``FusedSolvers``: the data layer is
-read eagerly (its reader, transforms and position as in the eager step) and its tops are the
-graph's inputs; the stacked params and histories are inputs too, updated in place by the graph;
-every per-iteration number of the update is in ``scalars``, a (2, K) float32 tensor of each
-stack position's rate (the lr policy's, computed on the host as the eager update computes it)
-and Adam correction, and the clipping scales are computed on the device (``FusedSolvers._update``
-takes these tensors in place of its host values: the same code, the same kernels). The label
-range checks are recorded while tracing and run on the inputs before each replay.
-
-Recorded at the first iteration it is asked for (``BREWNET_STEP_GRAPH=1``) or, by default, at
-the second eager step when the run has ``recorded_step.MIN_ITERS`` left and a step took under
-``recorded_step.MAX_EAGER_S`` (on CUDA only when asked, until the GPU run has passed:
-``cuda_graph.DEFAULT_ON_CUDA``); that iteration runs the eager step (the reference), the
-recording, then the recorded graph's replay on the same state and inputs, and keeps the graph
-only if the replay gave the eager step's bits (losses, outputs, params, histories, gradients).
-A CUDA capture is checked likewise against the recorded graph's run. Keyed on the running nets,
-the stacked tensors (a ``drop`` restacks) and the solver fields baked in; refused with the
-reason at debug level: iter_size > 1, a layer type outside ``recorded_step.PURE`` (Dropout draws
-random numbers), a device without CUDA graphs. A replay runs MKL on torch's thread count (the
-eager step's large batched products do; the check catches a count that would differ).
+The recorded step's idea (``recorded_step.py``) for ``FusedSolvers``: the data layer is read
+eagerly and its tops are inputs; the stacked params and histories are inputs updated in place;
+the per-iteration numbers are in ``scalars`` ((2, K) float32: each stack position's rate and Adam
+correction, computed on the host as the eager update does); clipping scales come from the device.
+Recorded when the recorded step would be (``BREWNET_STEP_GRAPH``, ``recorded_step.MIN_ITERS``; on
+CUDA only when asked: ``cuda_graph.DEFAULT_ON_CUDA``), kept only if its replay gives the eager
+step's bits on the same state. Keyed on the running nets, the stacked tensors and the baked-in
+solver fields; refused: iter_size > 1, a layer outside ``recorded_step.PURE``, a device without
+CUDA graphs. Why, and the details: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

@@ -1,41 +1,15 @@
-"""A training net's forward and backward replayed as one recorded graph of aten ops.
+"""The recorded step: a training net's forward and backward replayed as one recording of aten ops.
 
-On a tiny net most of a step is Python: per layer the executor looks up bottoms and tops,
-writes blobs and reads protobuf params, and autograd walks its graph. The recorder
-(``brewnet/execution/recording.py``) runs one real forward and backward (the gradient of the loss
-with respect to the params) and writes down the aten ops they dispatch; later iterations call
-that straight-line list. The ops, their order and their arguments are the ones the eager step
-runs, so the loss, every top and every gradient are the same bits (checked: the capture
-iteration runs both and compares them; any difference drops back to the eager step, logged).
-Measured (benchmarks/step_graph.py, a process per mode, 2-core CPU): the brewing-logreg
-step 1.8-3.2x less CPU (1016 -> 315 us in the quietest run), the single-InnerProduct MNIST
-step 1.15x (its LMDB batch dominates); on LeNet the kernels dominate.
-
-What stays outside the graph, run eagerly each iteration:
-- layers without bottoms (data layers, Input, Python data layers): their tops are the
-  graph's inputs, so readers, prefetchers, transforms and their RNGs work as they do;
-- the label range checks (``check_labels``) are data-dependent: recorded while tracing and
-  run on the graph's input labels before each replay;
-- the solver's update on the CPU (measured: recording it gained nothing there,
-  ``recorded_update.ON_CPU``); on CUDA the update recorded with its per-iteration numbers as
-  tensors (``recorded_update.py``) is captured with the step: one replay (``cuda_graph.py``).
-A TRAIN top nothing in the step needs (an Accuracy) is split off and computed when first read
-(``Blob._pending``), from values the step saved. Replayed ops go through torch's Python
-bindings rather than ``OpOverload`` (``graph_record.unbox``).
-Refused (the eager step, with the reason at debug level): a layer type outside ``PURE`` or a
-plugin's class (they may draw random numbers, keep state or branch on values), iter_size > 1,
-force_backward, a net on a device without CUDA graphs (``cuda_graph.device_refusal``), a blob
-someone holds a numpy view of at capture, or a trace that fails. A replay is keyed on the input
-shapes and the identity of every layer tensor, so reshapes, ``copy_from`` and net surgery re-trace or fall back.
-``BREWNET_STEP_GRAPH=0`` turns it off; ``=1`` captures at the first iteration of any run
-(tests); by default it captures when a ``step``/``solve`` has at least ``MIN_ITERS`` left (or
-the solver has run that many in short calls), at the second eager step, if that step took
-under ``MAX_EAGER_S``. torch.compile (inductor) over the same graph was tried and dropped: on
-brewing-logreg it gave 309 against the replay's 315 us a step (the forward-backward is no
-longer where the step's time goes) after a 4-20 s compile, and its kernels round differently.
-On CUDA the same recorded graph is captured once more as a CUDA graph and replayed by one
-launch (``brewnet/execution/cuda_graph.py``): ``StepGraph(net)`` for a net on CUDA is a
-``CudaStepGraph``, with the same refusals and the same bitwise check at capture.
+``recording.py`` writes down the aten ops of one real forward and backward; later iterations
+replay that list, without per-layer Python. Invariant: the same bits as the eager step (loss,
+tops, gradients), compared at the capture iteration; a difference keeps the eager step, logged.
+Eager each iteration: layers without bottoms (data layers: their tops are the inputs), the label
+checks (``check_labels``, before each replay) and on the CPU the update; a TRAIN top nothing needs
+(Accuracy) is computed when read. Refused (debug log), e.g.: a layer outside ``PURE``, a plugin,
+iter_size > 1, force_backward. Keyed on the input shapes and each layer tensor (reshapes and
+surgery re-trace). ``BREWNET_STEP_GRAPH=0`` off, ``=1`` from the first iteration; else at
+``MIN_ITERS`` left and an eager step under ``MAX_EAGER_S``. On CUDA ``StepGraph(net)`` is a
+``CudaStepGraph`` (``cuda_graph.py``). Why, and the measurements: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 
@@ -52,7 +26,7 @@ from .process import env_switch
 from .recording import RecordError, same_bits, unbox
 
 log = logging.getLogger("brewnet")
-MIN_ITERS = 500    # a capture costs ~3 steps and 5-40 ms of recording (graph_record.py); it
+MIN_ITERS = 500    # a capture costs ~3 steps and 5-40 ms of recording (recording.py); it
                    # saves 0.3-0.5 ms a step on tiny nets: it pays well within 500 iterations
 MAX_EAGER_S = 0.05  # nets slower than this a step are kernel-bound: the graph saves ~1% (LeNet)
 # Layer types whose forward is a fixed sequence of torch ops on their bottoms and params.

@@ -1,33 +1,15 @@
-"""A solver's update (Caffe's ``ApplyUpdate``) as one recorded graph of tensor ops.
+"""The recorded update: a solver's update (Caffe's ``ApplyUpdate``) as a recording of tensor ops.
 
-The eager update (``Solver.apply_update``) takes its per-iteration numbers as Python floats:
-the rate from the lr policy, Adam's bias correction, the clipping scale (read from the
-gradients' norm on the host). A graph captured once (a CUDA graph) would keep the floats of its
-capture. Here the same update is written as a function of tensors,
-
-    update(*grads, *params, *history, scalars)
-
-in which everything that changes between iterations is a tensor: ``scalars`` holds the local
-rate of each lr_mult group and the rule's ``iteration_scalars`` (Adam's correction), computed
-on the host each iteration exactly as the eager update computes them (numpy float32), and read
-in the graph as 0-d tensors; the clipping norm and scale are computed on the device. The rules'
-own ``compute_updates`` run on these 0-d tensors (``scaled_add_`` is their one op that needs
-another form): the same kernels in the same order, so the same bits; what is fixed for a run
-(momentum, delta, weight decay, lr_mult/decay_mult, clip_gradients, iter_size, which frozen
-params are left as they are) is baked into the graph and part of its key.
-
-Caffe's order holds: clip (``ClipGradients``), then per param: iter_size normalisation
-(``Normalize``), weight decay (``Regularize``), the rule (``ComputeUpdateValue``), and
-``param -= diff`` (``Net::Update``); the diff is left holding the step, as Caffe's.
-
-It is recorded (``graph_record``) at the first update after the step graph is in use, and its
-replay is checked bit for bit against the eager update of the same iteration on the same state
-(a mismatch keeps the eager update, with a warning). On CUDA the step graph captures it with the
-forward and backward as one CUDA graph (``cuda_graph.CudaStepGraph``): one replay a step.
-On the CPU the step keeps the eager update (``ON_CPU``): ``benchmarks/step_graph.py --update``
-(2-core CPU at load 4-9, CPU us a step, step graph without / with the recorded update) gave
-logreg 558 / 446 in one run and 436 / 471 in the next, the InnerProduct net 1286 / 1450 and
-1095 / 1288: no gain beyond the noise, for a recording that snapshots params and history.
+The eager update (``Solver.apply_update``) takes its per-iteration numbers as Python floats, which
+a capture would freeze. Here it is ``update(*grads, *params, *history, scalars)``: ``scalars``
+holds each lr_mult group's rate and the rule's ``iteration_scalars`` (Adam's correction), computed
+on the host as the eager update computes them; the clipping norm and scale come from the device;
+what is fixed for a run is baked in and part of the key. The rules' own ``compute_updates`` run on
+it in Caffe's order (clip; per param normalise, regularise, the rule, ``param -= diff``; the diff
+keeps the step): the same bits as the eager update, checked at recording (``recording.py``, at the
+first update with the recorded step in use; a mismatch keeps the eager update). On CUDA it is
+captured with the step (``cuda_graph.CudaStepGraph``); the CPU keeps the eager one (``ON_CPU``).
+Why, and the measurements: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

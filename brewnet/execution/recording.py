@@ -1,26 +1,15 @@
-"""Record the aten ops of one real run of a function as an FX graph, and call them fast.
+"""Record the aten ops of one real run of a function as a torch.fx graph, and replay them fast.
 
-Used by the training step graph (brewnet/execution/recorded_step.py) and lean inference
-(brewnet/execution/lean.py).
-
-``make_fx`` would do this too, but its first call in a process imports torch._dynamo and
-torch._inductor (measured: 1.7-2.2 s of a 2.4 s first capture on the brewing-logreg net), which
-is what made a recorded step pay only after thousands of iterations. The recording here is a
-``TorchDispatchMode`` around a real run on the real tensors: every op that reaches the kernels
-(forward and the autograd backward alike) becomes a node whose arguments are the nodes that
-made its tensor arguments. A tensor no recorded op made and that is not an input is a
-constant of the graph, held by reference (the params: the solver updates them in place, so a
-replay reads their current values).
-
-It refuses (``RecordError``) what a straight-line replay cannot honour:
-- an op whose result is not a tensor (``.item()``, ``bool(t)``, ``torch.equal``): the run
-  branched on a value, and a replay would keep this run's branch;
-- a tensor's values read into Python (``.numpy()``, ``np.asarray``, ``.tolist()``; seen by a
-  ``TorchFunctionMode``, since they dispatch no op): what is computed from them would be a
-  constant of the graph;
-- a tensor sharing memory with a recorded one yet made outside dispatch (``.data``, numpy):
-  the graph cannot know it changes;
-- an op writing into a constant (a param or a buffer changed during the step).
+Used by the recorded step (``recorded_step.py``), the recorded update, the recorded fused step
+and lean inference (``execution/lean.py``). A ``TorchDispatchMode`` around a real run on the real tensors
+(not ``make_fx``): every op that reaches the kernels, forward and autograd backward alike,
+becomes a node; a tensor no recorded op made and that is not an input is a constant held by
+reference (the params: a replay reads their current values). It refuses (``RecordError``) what a
+straight-line replay cannot honour: an op whose result is not a tensor (the run branched on a
+value); a tensor's values read into Python (``.numpy()``, ``.tolist()``: seen by a
+``TorchFunctionMode``); a tensor sharing memory with a recorded one yet made outside dispatch
+(``.data``, numpy); an op writing into a constant (a param or buffer changed during the run).
+Why not ``make_fx``, and the measurements: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

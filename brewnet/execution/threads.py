@@ -1,39 +1,15 @@
-"""Torch's intra-op threads: chosen per net from its per-op sizes, then kept honest by timing.
+"""Torch's intra-op threads: the single owner of brewnet's thread policy.
 
-The policy, for a Solver's training net (``Solver``) and a pycaffe ``Net``'s forward:
-- **Tiny ops: one thread.** When no layer of the net does more than ``TINY_FLOPS`` of work per
-  pass, an OpenMP team only adds barriers (a logistic regression, an MLP, batch-1 LeNet).
-- **Training: fixed.** A Solver's net keeps that first choice (one thread, or the ceiling) for
-  the whole run: a thread count changes how reductions are split, so switching on timings would
-  make a run's numbers depend on the machine's load (a resumed run, or K nets trained together,
-  would no longer equal the uninterrupted or lone run bit for bit). Passive waiting (below) is
-  what keeps a training team from collapsing under a busy neighbour. ``BREWNET_THREADS=adaptive``
-  turns the timing on for training too, at the price of that reproducibility.
-- **Inference: measured, cheaply.** A forward-only net starts on the ceiling (the usable cores,
-  or what the CLI planned beside its data threads); after a few calls it compares its last
-  ``BLOCK`` calls with ``TRIAL`` calls on the other choice (one thread, or the ceiling) and keeps
-  the faster. It re-checks every ``RECHECK_S`` seconds (doubling, up to ``MAX_WAIT_S``, while
-  trials keep stopping early), or at once when calls on the ceiling become 1.5x slower than
-  when it chose (slower on one thread is the neighbour's load: more threads would stall more).
-  A trial stops at its first call that is clearly slower than the calls it is compared with
-  (``ABORT``; 3x for the first call at a count, which may still build oneDNN's primitives for
-  it): a busy neighbour can make a team that stalls at every barrier 30x slower (open_nsfw at
-  batch 1 on a loaded 2-core machine: 1.3 s instead of 42 ms), and a 5-call trial of that would
-  be seconds of latency spikes each time. A steady net thus pays at most two slower calls per
-  re-check; the other calls stay on the faster count. A call that did one-off work (the lean
-  graph's trace, brewnet/execution/lean.py) is left out (``Tuner.discard``).
-- **Passive waiting.** ``import brewnet`` before torch sets ``OMP_WAIT_POLICY=PASSIVE``
-  (``brewnet/__init__.py``) unless the variable is set at all (even empty): idle OpenMP threads
-  then sleep instead of spinning on the cores a neighbour (or another brewnet process) needs.
-  libgomp reads it once, when torch loads it, so a script that imports torch first keeps the
-  spinning default: the timing above protects inference; **training then runs on one
-  thread** (logged once), since a spinning team of two took 3-10x longer per LeNet step than
-  one thread beside a busy neighbour (measured on 2 cores) and training's count cannot follow
-  timings. Importing brewnet first, ``OMP_WAIT_POLICY=PASSIVE`` or ``BREWNET_THREADS=N`` give
-  training the cores again.
-- **Override.** ``BREWNET_THREADS=N`` fixes N threads and turns the timing off, as does
-  ``OMP_NUM_THREADS`` or a ``torch.set_num_threads`` call by the user after brewnet was imported:
-  brewnet never changes a thread count it did not set.
+Everything that sets a count asks here: a per-net ``Tuner`` around each call (a Solver's train
+net, a pycaffe ``Net``'s forward), and ``plan``, ``plan_beside`` and ``replan_after`` for the
+ceiling beside data threads (the CLI commands, Solver runs, ``TrainTogether``, ``data.prefetch``).
+A net whose every layer does under ``TINY_FLOPS`` a pass runs on one thread. A training net keeps
+its first choice for the run: its bits must not follow the load (``determinism.py``;
+``BREWNET_THREADS=adaptive`` times training too). A forward-only net times its calls against a few
+on the other count (``BLOCK``, ``TRIAL``, ``ABORT``, ``RECHECK_S``) and keeps the faster. ``import
+brewnet`` before torch sets ``OMP_WAIT_POLICY=PASSIVE``; after torch, training runs on one thread.
+``BREWNET_THREADS=N``, ``OMP_NUM_THREADS`` or a user's ``torch.set_num_threads`` win: brewnet never
+changes a count it did not set. Why, and the measurements: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

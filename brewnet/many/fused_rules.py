@@ -1,7 +1,8 @@
 """The fused engine's update rules (Caffe's ComputeUpdateValue for K nets at once, over stacked
 slices: ``brewnet/many/fused.py``), and the per-net columns they broadcast. A rule's per-net
 values come as lists (the eager step: numpy float32, computed on the host) or as float32
-tensors (a recorded step, ``fused_graph.py``: inputs of the graph, the same products)."""
+tensors (a recorded fused step, ``execution/recorded_fused_step.py``: inputs of the recording,
+the same products)."""
 from __future__ import annotations
 
 import numpy as np

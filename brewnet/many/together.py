@@ -1,51 +1,15 @@
 """Train K solvers together in one process, each with its own solver, off one copy of the data.
 
-``TrainTogether([s0, s1, ...], device=None)`` builds each solver as it would be built alone
-(its own random seed, fillers, nets, update rule, lr policy, ``max_iter``, ``test_interval``,
-``display``, ``snapshot`` and ``snapshot_prefix``), then joins the data layers that would make
-the same batches into one ``DataStream``: each batch is read, decoded, transformed and moved to
-the device once, by the first solver's layer, and every net reading that data definition gets
-the same tensors, in the order it would have read them alone. ``solve()`` runs one iteration of
-each solver in turn (or several at once on worker threads, below) until each reaches its own
-``max_iter``.
-
-Why each net's numbers are those of training alone: a net sees the batches it would have read
-(same definition, same position in the stream); torch's global random stream (Dropout, random
-fillers) is kept per solver and swapped in around each of its iterations; the update, test and
-snapshot code is the Solver's own. So each solver's .caffemodel/.solverstate files are
-byte-identical to training it alone at the same torch thread count (a different thread count
-may round convolutions and matmuls differently). The data tensors are shared read-only: a layer
-that writes into its bottom in place (none of the built-in ones do) would change the others'.
-
-A data definition: the layer's parameters without its name (source, batch size, transform...),
-its phase, the number of tops, the device, and how the solver consumes it (``iter_size`` for a
-train net; ``test_iter``, ``test_interval`` and ``test_initialization`` for a test net), plus,
-when the layer draws random numbers (mirror, a TRAIN crop, rand_skip, shuffle, WindowData), its
-random state. Log lines start with the solver's prefix (``[s0] ``, ``[s1] ``... by position;
-``brewnet parse-log --prefix "[s1]"`` picks one out), and the log says how many data streams
-are read and why a solver could not share one.
-
-Worker threads (``threads=N``, ``brewnet train --together-threads N``, ``$BREWNET_TOGETHER_THREADS``):
-the solvers are split into N groups and each round runs one iteration of every solver, a group
-per thread, the rounds in lock-step (the batches kept for slower consumers stay bounded; an
-error in a thread is raised here once the round ends, naming its solver). Torch's intra-op
-count is one per process here (libgomp's for threads outside a team): the run holds it at
-cores / N (each solver's ``threads.Tuner`` pinned) and puts the count back after. The live
-solvers are dealt to the workers again each round, N counting the workers that got one, so a
-solver that finished or was dropped (a pruned search trial) leaves no core idle. Torch's
-global random stream is one per process too: the solvers whose nets may draw from it in a
-step (``draws_random``: Dropout, stochastic Pooling, Python or foreign layers) all step in the
-first group, one after another with their own state swapped in, and the other threads never
-touch it; data streams take a lock (the leader's read happens once, under it). So the files
-are byte-identical to each solver alone (at any thread count: ``brewnet.execution.determinism``).
-The default, by measurement on the 2-core CPU (one step of all K nets): for LeNet
-(convolutions: torch releases the GIL in its kernels) two threads of one intra-op thread each
-took 200 ms vs 235 ms for K = 8 one after another on two intra-op threads (in
-``benchmarks/many_nets.py``'s ``together`` vs ``together:1``: 162 vs 193 ms at K = 4, 319 vs
-360 ms at K = 8); for the single-InnerProduct net (a step is ~1.2 ms, mostly Python under
-the GIL) two threads were slower (18-20 ms vs 14-15 ms at K = 8). So: one thread per usable
-core when some net is not tiny (``brewnet.execution.threads.TINY_FLOPS``) and all train on the CPU,
-else one after another.
+``TrainTogether([s0, s1, ...], device=None)`` builds each solver as it would be built alone, then
+joins the data layers that would make the same batches (one *data definition*) into one
+``DataStream``: each batch is read, decoded, transformed and moved to the device once, and every
+net gets the same read-only tensors in the order it would have read them alone. ``solve()`` steps
+each solver until its own ``max_iter``, in turn or on N worker threads (``threads=N``, ``brewnet
+train --together-threads N``, ``$BREWNET_TOGETHER_THREADS``; default: one per usable core when some
+net is not tiny and all train on the CPU, the count planned by ``brewnet.execution.threads``).
+Invariant: each solver's .caffemodel/.solverstate are byte-identical to training it alone, at any
+thread count (``brewnet.execution.determinism``). Log lines start with ``[s0] ``, ``[s1] ``...
+Why, and the measurements: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from .adagrad import AdaGradSolver
 from .rmsprop import RMSPropSolver
 from .adadelta import AdaDeltaSolver
 from .adam import AdamSolver
-from ..execution import cuda_graph  # noqa: F401  (registers CUDA graphs for nets on CUDA with step_graph)
+from ..execution import cuda_graph  # noqa: F401  (registers CUDA graphs for nets on CUDA with recorded_step)
 
 
 def get_solver(solver, registry=None, **kw) -> Solver:

@@ -23,7 +23,7 @@ f32 = np.float32
 class AdamSolver(SGDSolver):
     history_sets = 2
     frozen_is_noop = False
-    scalar_inputs = None     # a recorded update's 0-d tensor for the correction (graph_update.py)
+    scalar_inputs = None     # the recorded update's 0-d correction tensor (execution/recorded_update.py)
 
     def iteration_scalars(self) -> dict:
         """The bias correction of this iteration (t = iter + 1): Caffe's pow(float, int) is a

@@ -35,7 +35,7 @@ class SGDSolver(Solver):
             return super().update_params(todo, l2, store_step)
         momentum = float(self.param.momentum)
         big = []
-        recorded = any(isinstance(e[4], torch.Tensor) for e in todo)   # graph_update.py's rates
+        recorded = any(isinstance(e[4], torch.Tensor) for e in todo)   # execution/recorded_update.py's rates
         if l2 and momentum and not recorded and fused_sgd_matches():
             # L2 decay with momentum on the CPU: one fused pass (fused.py), the same numbers.
             # Small params: the _foreach ops below for all of them cost less than the fused

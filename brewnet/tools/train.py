@@ -1,24 +1,15 @@
 """``brewnet train --solver S [--weights W | --snapshot S]``: Caffe's ``caffe train``.
 
 Caffe's rules: ``--snapshot`` (resume) and ``--weights`` (finetune) exclude each other;
-``--weights`` replaces the solver's own ``weights`` and ``--snapshot`` clears them; ``--level`` and
-``--stage`` go into the solver's ``train_state``. Without ``--gpu`` the solver's ``solver_mode``
-decides (Caffe's default is GPU: ``device_id`` when CUDA is here, else the CPU with a warning).
-``--sigint_effect`` (default stop) and ``--sighup_effect`` (default snapshot) act at the next
-iteration. Logs go to stderr in glog's format; on a terminal a progress bar runs below them.
-
-Several workers (``brewnet.parallel``, Caffe 1.0's semantics): ``--gpu 0,1|all`` starts one per
-device, ``--workers N`` N CPU workers (gloo); under ``torchrun`` each process is one worker.
-Rank 0 alone logs, tests and snapshots. ``--resume auto`` continues from the newest snapshot
-under the solver's prefix (none: from the start), so ``torchrun --max-restarts K`` recovers.
-
-Several ``--solver`` flags train the solvers together in one process (``brewnet.many``): each
-keeps its own rule, schedule and snapshots, its log lines start with ``[s0] ``, ``[s1] ``... (by
-position; ``brewnet parse-log --prefix "[s1]"`` picks one out), and each batch is read once per
-data definition; ``--together-threads N`` steps them on N worker threads at once (default:
-one per core when the nets are not tiny, ``brewnet.many.together``). ``--fuse`` runs them as
-one fused net (``brewnet.many.fused``; an error naming the first layer that differs when they
-cannot be fused). Data parallel trains one solver.
+``--weights`` replaces the solver's own ``weights``, ``--snapshot`` clears them; ``--level`` and
+``--stage`` go into its ``train_state``; without ``--gpu`` the solver's ``solver_mode`` decides
+(GPU: ``device_id`` when CUDA is here, else the CPU with a warning). ``--sigint_effect`` (default
+stop) and ``--sighup_effect`` (default snapshot) act at the next iteration. Logs: glog's format.
+Several workers (``brewnet.parallel``, Caffe 1.0's semantics: ``--gpu 0,1|all``, ``--workers N``
+or ``torchrun``): rank 0 alone logs, tests and snapshots; ``--resume auto`` continues from the
+newest snapshot. Several ``--solver`` flags train together (``brewnet.many.together``,
+``--together-threads N``), or with ``--fuse`` as one fused net (``brewnet.many.fused``).
+The details: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 

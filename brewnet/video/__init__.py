@@ -1,34 +1,15 @@
 """Video: a net on every frame for a fraction of the cost, by reusing deep features.
 
-The net is cut after the last layer that writes the ``split`` blob: the *low* part (layers up
-to it) is cheap, the *high* part (the layers after it, the bulk of the cost) runs only on
-keyframes. Between keyframes the high part's outputs are propagated from the last keyframe:
-
-- ``copy``: the keyframe's outputs as they are (Clockwork Convnets, ECCV 2016);
-- ``flow``: warped to the current frame (Deep Feature Flow, CVPR 2017). OpenCV's DIS optical
-  flow runs from the current frame to the keyframe on grey frames at the net's input size, so
-  that ``cur(p) ~ key(p + flow(p))``; it is resized to each N x C x h x w output (INTER_AREA,
-  displacements scaled by h/H, w/W) and the keyframe's output is sampled bilinearly at
-  ``p + flow(p)`` (``grid_sample``, ``align_corners=False``: feature cell j has its centre at
-  input pixel (j + 0.5) * W / w - 0.5, the convention of cv2.resize; outside the map the
-  border value). Outputs that are not N x C x h x w are copied.
-
-Keyframes: ``every:N`` (frames 0, N, 2N, ...), or ``adaptive:T`` (Low-Latency Video Semantic
-Segmentation, CVPR 2018): a frame becomes a keyframe when ``mean|L_t - L_k| / mean|L_k|``
-(``change``) passes ``T``, L being the *measure* blob on this frame (t) and on the last keyframe
-(k); at most ``max_gap`` frames after a keyframe come before the next one. The measure blob is
-the split by default; ``measure`` names an earlier one (made at or before the split), and the
-net's input blob is the transformed frame itself (``(pixel - mean) * scale`` at the net's
-input size). ``measure_stride`` S > 1 averages L over S x S cells first (``avg_pool2d``, partial
-cells at the edges kept), so that the measure sees change at the scale of the output's cells
-rather than pixel noise and fine texture. Between keyframes only the layers up to the measure
-blob run (none for the input blob), so a cheap measure lets adaptive keyframes cost what fixed
-ones do. With ``every:N`` nothing reads the low features between keyframes, so those frames run
-no layer.
-
-Frames are BGR uint8 (OpenCV's order, Caffe's) from a video file (``cv2.VideoCapture``) or a
-folder of images (sorted by name), resized to the net's input, ``(pixel - mean) * scale`` as
-Caffe's DataTransformer, grey for a one-channel input. Runs on the net's device.
+The net is cut after the last layer that writes the ``split`` blob: a cheap *low* part (the layers
+up to it) and a costly *high* part (the rest), run only on keyframes. Between keyframes the high
+part's outputs are the last keyframe's, as they are (``copy``: Clockwork Convnets) or warped to
+the current frame by optical flow (``flow``: Deep Feature Flow). Keyframes: ``every:N`` (frames 0,
+N, 2N, ...; the frames between run no layer) or ``adaptive:T`` (a keyframe when the ``change`` of
+the *measure* blob since the last keyframe passes ``T``, at most ``max_gap`` frames apart; between
+keyframes only the layers up to the measure blob run). Frames are BGR uint8 (Caffe's order) from
+a video file or a folder of images, resized and transformed as Caffe's DataTransformer, on the
+net's device. The flow warp's conventions and the measure's definition: docs/internals.md,
+*Design notes by module*.
 """
 from __future__ import annotations
 
