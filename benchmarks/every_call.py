@@ -9,11 +9,8 @@ whose copy wins where both have one; the nets only in ../shared are left out wit
 at a time and freed after: a pycaffe ``Net`` as a user builds it, with the user's defaults (no
 BREWNET_* switch: a set one is printed; brewnet's own thread choice). Weights: the real
 caffemodel where ``WEIGHTS`` names one in the shared data, otherwise the fillers'
-(``brewnet.set_random_seed(0)``), with a weight left at Caffe's default constant 0 filler drawn
-He-scaled and realistic BatchNorm statistics (``realistic``: those of the layer's bottom over 4
-random calibration images, or 1 (``build``), the mean moved by N(0, 0.1) - 0.5 of the deviation
-and the variance scaled by U(0.5, 1.5), scale factor 1; a Scale after a BatchNorm U(0.5, 1.5),
-bias N(0, 0.1)).
+(``brewnet.set_random_seed(0)``) drawn to compute what a trained net would (``realistic``:
+outputs of unit deviation, BatchNorm statistics of 4 random calibration images, or 1).
 The input blob is reshaped to ``--batch`` at the prototxt's size (``--size S``: S x S), given
 one fixed random input (an ``im_info`` input: the image's height, width, scale 1), and
 ``net.forward()`` is called ``--calls`` times. Call ``lean.AFTER + 1`` (11) is where a net that
@@ -29,7 +26,9 @@ is call 1 bit for bit; tests/test_every_net_every_call.py holds it to LEAN_RTOL 
 the torch thread counts brewnet's tuner ran calls 2-10 on → calls 12 on, in order of first use
 (brewnet/execution/threads.py times forward-only calls and tries the other count from about call 9,
 keeping the faster: the before and after times may be on different counts; a reduction split
-over other threads also rounds differently); "warn" the WARNING records the calls logged
+over other threads also rounds differently); "RSS MiB" the process's resident memory after
+call 10 → after the last (the recording at call 11 holds every tensor of its run until it ends,
+and brewnet keeps freed memory for reuse: execution/process.py); "warn" the WARNING records the calls logged
 (building the net is not a call). Wall times of one process on a shared machine: compare
 within one run.
 """
@@ -52,7 +51,7 @@ SHARED = Path(os.environ.get("BREWNET_SHARED") or ROOT.parent / "shared")
 VENDORED = ROOT / "tests" / "data"
 
 import brewnet  # noqa: E402
-from brewnet import lean  # noqa: E402
+from brewnet.execution import lean  # noqa: E402
 from brewnet.proto.io import read_net  # noqa: E402
 
 LEAN_RTOL = 1e-5
@@ -124,47 +123,63 @@ def feed(net, batch: int, size: int, seed: int) -> None:
 
 
 def realistic(net, size: int, images: int = 4, seed: int = 0) -> None:
-    """Random weights that compute something, as tests/test_every_net_every_call.py draws them:
-    a weight the fillers left at zero gets He-scaled Gaussian values; each BatchNorm the
-    statistics of its bottom over ``images`` random calibration inputs, run layer by layer
-    through the core net (no pycaffe call), the mean moved by N(0, 0.1) - 0.5 of the deviation
-    and the variance scaled by U(0.5, 1.5), scale factor 1; a Scale after a BatchNorm weights in
-    U(0.5, 1.5) and a bias of N(0, 0.1). (Centred exactly, random deep nets are chaotic: a 1e-7
-    change of the input moved random ResNet-152's prob by 5.7e-4, trained open_nsfw's by 3e-7.)"""
+    """Random weights that compute what a trained net would, as
+    tests/test_every_net_every_call.py draws them (its ``realistic`` says why): on ``images``
+    random calibration inputs in one layer-by-layer pass, a weight left at zero drawn
+    He-scaled, each Convolution/InnerProduct scaled to outputs of unit deviation, each BatchNorm
+    its bottom's statistics (mean moved by N(0, 0.1) - 0.5 deviations, variance floored at a
+    tenth of the layer's mean and scaled by U(0.5, 1.5)), a Scale after it U(0.5, 1.5)."""
     import torch
 
     feed(net, images, size, seed=100 + seed)
     rng = np.random.default_rng(seed)
-    for name, blobs in net.params.items():
-        if net.layer_dict[name].type in ("Convolution", "InnerProduct", "Deconvolution",
-                                         "DepthwiseConvolution"):
-            w = blobs[0].data
+    params = net.params                      # (built anew at each access)
+    for layer in net.layer_list:
+        if layer.blobs and layer.type in ("Convolution", "InnerProduct", "Deconvolution",
+                                          "DepthwiseConvolution"):
+            w = params[layer.name][0].data
             if w.size and not w.any():
                 w[...] = rng.normal(0, np.sqrt(2.0 / w[0].size), w.shape)
+
+    def stats(i: int):
+        x = net.blobs[net.bottom_lists[i][0]].tensor.detach().double().cpu().numpy()
+        c = x.shape[1] if x.ndim > 1 else 1
+        x = np.moveaxis(x.reshape(x.shape[0], c, -1), 1, 0).reshape(c, -1)
+        mean, var = x.mean(1), x.var(1)
+        if x.shape[1] < 2 or not var.any():
+            var = np.full(c, x.var() or 1.0)
+        var = np.maximum(var, 0.1 * var.mean())       # a channel few positions reached
+        return c, mean + (rng.normal(0, 0.1, c) - 0.5) * np.sqrt(var), var * rng.uniform(0.5, 1.5, c)
+
     after_bn = False
     with torch.no_grad():
         for i, layer in enumerate(net.layer_list):
             if layer.type == "Input":
                 continue
+            b = params.get(layer.name)
             if layer.type == "BatchNorm":
-                x = net.blobs[net.bottom_lists[i][0]].tensor.detach().double().cpu().numpy()
-                c = x.shape[1] if x.ndim > 1 else 1
-                x = np.moveaxis(x.reshape(x.shape[0], c, -1), 1, 0).reshape(c, -1)
-                mean, var = x.mean(1), x.var(1)
-                if x.shape[1] < 2 or not var.any():
-                    var = np.full(c, x.var() or 1.0)
-                var = np.where(var > 0, var, var.max())
-                b = net.params[layer.name]
-                b[0].data[...] = (mean + (rng.normal(0, 0.1, c) - 0.5) * np.sqrt(var)).reshape(b[0].data.shape)
-                b[1].data[...] = (var * rng.uniform(0.5, 1.5, c)).reshape(b[1].data.shape)
-                b[2].data[...] = 1
+                c, mean, var = stats(i)
+                for blob, v in zip(b, (mean, var, np.ones(1))):
+                    blob.data[...] = v.reshape(blob.data.shape)
+            elif layer.type == "BN" and len(b) == 4:       # PSPNet's: slope, bias, mean, var
+                c, mean, var = stats(i)
+                for blob, v in zip(b, (rng.uniform(0.5, 1.5, c), rng.normal(0, 0.1, c), mean, var)):
+                    blob.data[...] = v.reshape(blob.data.shape)
             elif layer.type == "Scale" and after_bn:
-                b = net.params[layer.name]
                 b[0].data[...] = rng.uniform(0.5, 1.5, b[0].data.shape)
                 if len(b) > 1:
                     b[1].data[...] = rng.normal(0, 0.1, b[1].data.shape)
             after_bn = layer.type == "BatchNorm"
             net.forward_tensors(start=i, end=i)
+            top = net.top_lists[i][0] if net.top_lists[i] else None
+            if (layer.type in ("Convolution", "InnerProduct", "DepthwiseConvolution")
+                    and top not in net.bottom_lists[i]):
+                t = net.blobs[top].tensor.detach().double()
+                std = float(t.std()) if t.numel() > 1 else 0.0
+                if std > 0:
+                    for blob in b:
+                        blob.data[...] /= std
+                    net.forward_tensors(start=i, end=i)
 
 
 def build(path: Path, weights: Path | None, batch: int, size: int = 0, seed: int = 0):
@@ -196,17 +211,27 @@ class Records(logging.Handler):
 
 def run_calls(net, calls: int):
     """(seconds per call, outputs per call, (path, torch threads) of each call: path "lean"
-    where the recorded graph ran the call, else "eager")."""
+    where the recorded graph ran the call, else "eager"; resident MiB after each call)."""
     import torch
 
-    times, outs, modes = [], [], []
+    times, outs, modes, rss = [], [], [], []
     for _ in range(calls):
         t = time.perf_counter()
         got = net.forward()
         times.append(time.perf_counter() - t)
         outs.append({k: v.copy() for k, v in got.items()})
         modes.append(("lean" if net._lean.gm is not None else "eager", torch.get_num_threads()))
-    return times, outs, modes
+        rss.append(resident_mib())
+    return times, outs, modes, rss
+
+
+def resident_mib() -> float:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        return 0.0
 
 
 def same(a: dict, b: dict) -> bool:
@@ -263,6 +288,18 @@ def path_of(net, records) -> str:
     return f"eager ({why.splitlines()[0][:160]})" if why else "eager"
 
 
+def free() -> None:
+    """Free the last net (it lives in reference cycles) and hand the heap brewnet keeps for
+    reuse back (glibc), so each net starts from little."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=1)
@@ -292,8 +329,8 @@ def main() -> None:
           f"{open('/proc/loadavg').read().split()[0]}\n")
     print("| net | input | weights | path | before ms (2-10) | switch ms (11) | "
           f"after ms (12-{args.calls}) | after/before | max rel dev | steady bits | equal bits "
-          "| threads | warn |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---|---|---|---:|")
+          "| threads | RSS MiB | warn |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---|---|---|---|---:|")
     log = logging.getLogger("brewnet")
     for name, path, weights in nets:
         handler = Records()
@@ -304,12 +341,12 @@ def main() -> None:
             net = build(path, weights, args.batch, args.size)
             built = len(handler.records)       # warnings while building are not the calls'
             shape = "x".join(map(str, net.blobs[net.inputs[0]].data.shape))
-            times, outs, modes = run_calls(net, args.calls)
+            times, outs, modes, rss = run_calls(net, args.calls)
         except Exception as e:    # report it, go on with the next net
             print(f"| {name} | | | FAILED: {type(e).__name__}: {str(e).splitlines()[0][:150]} "
-                  "| | | | | | | | | |", flush=True)
+                  "| | | | | | | | | | |", flush=True)
             net = outs = None
-            gc.collect()
+            free()
             continue
         finally:
             log.removeHandler(handler)
@@ -325,9 +362,9 @@ def main() -> None:
         print(f"| {name} | {shape} | {'real' if weights else 'fillers'} | {path_of(net, handler.records)} "
               f"| {before:.2f} | {switch:.2f} | {after:.2f} | {after / before:.2f} "
               f"| {'0' if dev == 0 else f'{dev:.1e}'} | {'yes' if steady else 'NO'} | {equal} "
-              f"| {ths} | {warns} |", flush=True)
+              f"| {ths} | {rss[lean.AFTER - 1]:.0f} → {rss[-1]:.0f} | {warns} |", flush=True)
         del net, outs
-        gc.collect()
+        free()
 
 
 if __name__ == "__main__":
