@@ -47,12 +47,14 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))   # the test's input and weights, drawn the same way
 SHARED = Path(os.environ.get("BREWNET_SHARED") or ROOT.parent / "shared")
 VENDORED = ROOT / "tests" / "data"
 
 import brewnet  # noqa: E402
 from brewnet.execution import lean  # noqa: E402
 from brewnet.proto.io import read_net  # noqa: E402
+from test_every_net_every_call import feed, realistic  # noqa: E402
 
 LEAN_RTOL = 1e-5
 # The real weights in ../shared/caffe-models for a deploy prototxt there (relative to it).
@@ -98,88 +100,6 @@ def deploy_nets() -> list[tuple[str, Path, Path | None]]:
         w = SHARED / "caffe-models" / w if w else None
         out.append((name, path, w if w is not None and w.exists() else None))
     return out
-
-
-def feed(net, batch: int, size: int, seed: int) -> None:
-    """Reshape the input blobs to ``batch`` (``size``: spatial size, 0 as they are) and write
-    one fixed random input (``im_info``: the image's height, width, 1)."""
-    image = None
-    for name in net.inputs:
-        shape = list(net.blobs[name].data.shape)
-        shape[0] = batch
-        if len(shape) == 4:
-            if size:
-                shape[2:] = [size, size]
-            image = image or shape[2:]
-        net.blobs[name].reshape(*shape)
-    net.reshape()
-    rng = np.random.default_rng(seed)
-    for name in net.inputs:
-        data = net.blobs[name].data
-        if name == "im_info" and image is not None:
-            data[...] = [image[0], image[1], 1.0]
-        else:
-            data[...] = rng.standard_normal(data.shape).astype(np.float32)
-
-
-def realistic(net, size: int, images: int = 4, seed: int = 0) -> None:
-    """Random weights that compute what a trained net would, as
-    tests/test_every_net_every_call.py draws them (its ``realistic`` says why): on ``images``
-    random calibration inputs in one layer-by-layer pass, a weight left at zero drawn
-    He-scaled, each Convolution/InnerProduct scaled to outputs of unit deviation, each BatchNorm
-    its bottom's statistics (mean moved by N(0, 0.1) - 0.5 deviations, variance floored at a
-    tenth of the layer's mean and scaled by U(0.5, 1.5)), a Scale after it U(0.5, 1.5)."""
-    import torch
-
-    feed(net, images, size, seed=100 + seed)
-    rng = np.random.default_rng(seed)
-    params = net.params                      # (built anew at each access)
-    for layer in net.layer_list:
-        if layer.blobs and layer.type in ("Convolution", "InnerProduct", "Deconvolution",
-                                          "DepthwiseConvolution"):
-            w = params[layer.name][0].data
-            if w.size and not w.any():
-                w[...] = rng.normal(0, np.sqrt(2.0 / w[0].size), w.shape)
-
-    def stats(i: int):
-        x = net.blobs[net.bottom_lists[i][0]].tensor.detach().double().cpu().numpy()
-        c = x.shape[1] if x.ndim > 1 else 1
-        x = np.moveaxis(x.reshape(x.shape[0], c, -1), 1, 0).reshape(c, -1)
-        mean, var = x.mean(1), x.var(1)
-        if x.shape[1] < 2 or not var.any():
-            var = np.full(c, x.var() or 1.0)
-        var = np.maximum(var, 0.1 * var.mean())       # a channel few positions reached
-        return c, mean + (rng.normal(0, 0.1, c) - 0.5) * np.sqrt(var), var * rng.uniform(0.5, 1.5, c)
-
-    after_bn = False
-    with torch.no_grad():
-        for i, layer in enumerate(net.layer_list):
-            if layer.type == "Input":
-                continue
-            b = params.get(layer.name)
-            if layer.type == "BatchNorm":
-                c, mean, var = stats(i)
-                for blob, v in zip(b, (mean, var, np.ones(1))):
-                    blob.data[...] = v.reshape(blob.data.shape)
-            elif layer.type == "BN" and len(b) == 4:       # PSPNet's: slope, bias, mean, var
-                c, mean, var = stats(i)
-                for blob, v in zip(b, (rng.uniform(0.5, 1.5, c), rng.normal(0, 0.1, c), mean, var)):
-                    blob.data[...] = v.reshape(blob.data.shape)
-            elif layer.type == "Scale" and after_bn:
-                b[0].data[...] = rng.uniform(0.5, 1.5, b[0].data.shape)
-                if len(b) > 1:
-                    b[1].data[...] = rng.normal(0, 0.1, b[1].data.shape)
-            after_bn = layer.type == "BatchNorm"
-            net.forward_tensors(start=i, end=i)
-            top = net.top_lists[i][0] if net.top_lists[i] else None
-            if (layer.type in ("Convolution", "InnerProduct", "DepthwiseConvolution")
-                    and top not in net.bottom_lists[i]):
-                t = net.blobs[top].tensor.detach().double()
-                std = float(t.std()) if t.numel() > 1 else 0.0
-                if std > 0:
-                    for blob in b:
-                        blob.data[...] /= std
-                    net.forward_tensors(start=i, end=i)
 
 
 def build(path: Path, weights: Path | None, batch: int, size: int = 0, seed: int = 0):
