@@ -120,11 +120,12 @@ XFAIL_ALL_NETS = {
         "(3x3, 4096->512) runs as an NHWC convolution in the graph and an NCHW one on the eager "
         "path: other oneDNN kernels, outputs 1.5e-6 apart at one thread count (batch 2), not the "
         "same bits where no kernel was re-chosen",
-    "forks/yolov3_lite_mobilenetv2_deploy.prototxt":
-        "the thread tuner (execution/threads.py) runs calls on another thread count; the head's "
-        "scores move by ~2e-6 and two of the 1086 detections at 352 x 352, scores 0.424759 and "
-        "0.4247593, swap places in Yolov3DetectionOutput's sort: call 9 differs from call 1 by "
-        "a whole row (class 19 vs 8)",
+    "caffe-models/soeaver/cls/inception/deploy_inception-v4.prototxt":
+        "the thread tuner (execution/threads.py) runs some calls on another thread count; "
+        "oneDNN's sums then run in another order, and 600 layers of random weights carry the "
+        "rounding to the prob: call 9 (eager, 1 thread) differs from call 1 (2 threads) by "
+        "1.18e-5 of the output's scale (eager at 2 vs 1 threads: 1.2e-5 at batch 1, 1.0e-5 at "
+        "batch 2; the lean graph is not involved)",
 }
 _DEPLOY = re.compile(r'^\s*(input\s*:|input_shape\s*\{|input_dim\s*:)|type\s*:\s*"Input"', re.M)
 
