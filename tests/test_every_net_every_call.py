@@ -10,8 +10,8 @@ path's bits at one thread count where it re-chose no kernel (``rechosen``); acro
 and re-chosen kernels a sum runs in another order: within ``LEAN_RTOL`` of the output's largest
 magnitude. Nets with a layer brewnet/deploy/fx_export.py's NO_GRAPH declines stay eager (``EAGER``);
 no call logs a WARNING. Random weights are drawn to compute what a trained net would (``realistic``).
-Default: ``LARGE`` nets skipped, ``SIZES`` smaller (about 3 minutes with ``-n 2`` on 2 cores);
-``BREWNET_ALL_NETS=1``: every net at its own size (~25 min on one process; PSPNet peaks at ~13 GB).
+Default: ``LARGE`` nets skipped, ``SIZES`` smaller (77 s with ``-n 2`` on 2 idle cores);
+``BREWNET_ALL_NETS=1``: every net at its own size (~15 min on one process; PSPNet peaks at ~15 GB).
 """
 from __future__ import annotations
 
@@ -110,8 +110,9 @@ LARGE = {
     # with a Python Proposal layer (each of these took 40-120 s of a 2-core CI run)
     f"caffe-models/densenet/DenseNet_{n}.prototxt" for n in (161, 169, 201)} | {
     "caffe-models/fcn/voc-fcn8s/deploy.prototxt", "forks/rfcn_resnet50_test_agnostic.prototxt"}
-# Known failures at their own size (BREWNET_ALL_NETS=1), each with its cause; strict: a fix
-# makes the test pass and the mark must go.
+# Known failures at their own size (BREWNET_ALL_NETS=1), each with its cause; strict (a fix
+# makes the test pass and the mark must go) unless the failure depends on the thread tuner's
+# timing.
 XFAIL_ALL_NETS = {
     "forks/pspnet50_ADE20K_473.prototxt":
         "lean binds every oneDNN convolution's weight in NHWC memory (execution/lean.py "
@@ -125,8 +126,10 @@ XFAIL_ALL_NETS = {
         "oneDNN's sums then run in another order, and 600 layers of random weights carry the "
         "rounding to the prob: call 9 (eager, 1 thread) differs from call 1 (2 threads) by "
         "1.18e-5 of the output's scale (eager at 2 vs 1 threads: 1.2e-5 at batch 1, 1.0e-5 at "
-        "batch 2; the lean graph is not involved)",
+        "batch 2; the lean graph is not involved). Not strict: which calls the tuner runs on "
+        "which count follows its timings (7.0e-6 in one benchmarks/every_call.py run)",
 }
+NOT_STRICT = {"caffe-models/soeaver/cls/inception/deploy_inception-v4.prototxt"}
 _DEPLOY = re.compile(r'^\s*(input\s*:|input_shape\s*\{|input_dim\s*:)|type\s*:\s*"Input"', re.M)
 
 
@@ -149,7 +152,7 @@ def _nets() -> list[str]:
 
 
 def _param(name: str):
-    marks = [pytest.mark.xfail(ALL_NETS, strict=True, reason=XFAIL_ALL_NETS[name])] \
+    marks = [pytest.mark.xfail(ALL_NETS, strict=name not in NOT_STRICT, reason=XFAIL_ALL_NETS[name])] \
         if name in XFAIL_ALL_NETS else []
     return pytest.param(name, marks=marks, id=name.removesuffix(".prototxt"))
 
