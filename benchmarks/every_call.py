@@ -54,25 +54,7 @@ VENDORED = ROOT / "tests" / "data"
 import brewnet  # noqa: E402
 from brewnet.execution import lean  # noqa: E402
 from brewnet.proto.io import read_net  # noqa: E402
-from test_every_net_every_call import feed, realistic  # noqa: E402
-
-LEAN_RTOL = 1e-5
-# The real weights in ../shared/caffe-models for a deploy prototxt there (relative to it).
-WEIGHTS = {
-    "trained/open_nsfw/deploy.prototxt": "trained/open_nsfw/resnet_50_1by2_nsfw.caffemodel",
-    "trained/lenet_mnist_ethereon/examples/mnist/lenet.prototxt":
-        "trained/lenet_mnist_ethereon/examples/mnist/lenet_iter_10000.caffemodel",
-    "trained/everpeace_caffe_2014_v1format/examples/mnist/lenet.prototxt":
-        "trained/everpeace_caffe_2014_v1format/examples/mnist/lenet_iter_10000.caffemodel",
-    "trained/everpeace_caffe_2014_v1format/examples/cifar10/cifar10_full.prototxt":
-        "trained/everpeace_caffe_2014_v1format/examples/cifar10/cifar10_full_iter_70000.caffemodel",
-    "trained/everpeace_caffe_2014_v1format/examples/cifar10/cifar10_quick.prototxt":
-        "trained/everpeace_caffe_2014_v1format/examples/cifar10/cifar10_quick_iter_5000.caffemodel",
-    "trained/cifar10_hdf5_siegfriedgreg/examples/cifar10/cifar10_full.prototxt":
-        "trained/cifar10_hdf5_siegfriedgreg/examples/cifar10/cifar10_full_iter_100000.caffemodel.h5",
-    "trained/cifar10_hdf5_siegfriedgreg/examples/cifar10/cifar10_quick.prototxt":
-        "trained/cifar10_hdf5_siegfriedgreg/examples/cifar10/cifar10_quick_iter_5000.caffemodel.h5",
-}
+from test_every_net_every_call import WEIGHTS, feed, realistic  # noqa: E402
 
 
 def is_deploy(path: Path) -> bool:
