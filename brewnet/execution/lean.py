@@ -21,7 +21,9 @@ import time
 import torch
 
 from ..net import _nhwc
+from . import engines
 from .cuda_graph import device_refusal
+from .engines import due, pick, rebuild
 from .fast_path import FAILED, FastPath
 from .process import env_switch
 from .recording import unbox
@@ -147,6 +149,10 @@ class LeanForward:
         self._saved: list[torch.Tensor] = []       # the inputs the graph last ran on
         self.captured, self._addresses = None, None  # CUDA: the graph captured, what it reads
         self._stale: list = []                     # intermediate blobs not written by the graph
+        self.engine = None                         # the runner engine picked, when not eager
+        self._picked = False                       # engine picked for the current graph
+        self.cached = None                         # the engine cache's entry for it (auto)
+        self.spent = 0.0                           # seconds of whole forwards on these shapes
         io = set(net.inputs) | set(net.outputs)
         self._middle = [b for n, b in net.blobs.items() if n not in io]
 
@@ -165,7 +171,7 @@ class LeanForward:
         net = self.net
         key = tuple(tuple(net.blobs[n].shape) for n in net.inputs)
         if key != self._key:
-            self._key, self.calls, self.gm = key, 0, None
+            self._key, self.calls, self.gm, self.spent = key, 0, None, 0.0
         self.calls += 1
         if self.gm is None:
             if self.calls <= AFTER:
@@ -179,9 +185,13 @@ class LeanForward:
         if net._current_input_shapes() != net._input_shapes:
             net.reshape()                  # the user's shapes: an error here is the user's
         xs = [net.blobs[n].tensor.detach() for n in net.inputs]
-        outs = self.guard.attempt(self._bound_call, xs)
+        if not self._picked and self.guard.attempt(due, self, xs) is True:
+            self._picked = True
+            self.engine = self.guard.attempt(pick, self, xs)
+            self.engine = None if self.engine is FAILED else self.engine
+        outs = self.guard.attempt(self._engine_call, xs)
         if outs is FAILED:
-            self.gm = self.captured = None
+            self.gm = self.captured = self.engine = None
             return False
         for name, t in zip(net.outputs, outs):
             net.blobs[name].write(t)
@@ -190,6 +200,12 @@ class LeanForward:
         for b in self._stale:
             b._pending = self.settle
         return True
+
+    def _engine_call(self, xs) -> tuple:
+        """The outputs from the engine picked (rebuilt when a weight changed), else the graph's."""
+        if self.engine is not None and engines.weights_state(self.net) != self.engine.state:
+            self.engine = rebuild(self, self.engine, xs)
+        return self.engine(xs) if self.engine is not None else self._bound_call(xs)
 
     def _bound_call(self, xs) -> tuple:
         """The graph's outputs on the input tensors ``xs``, bound to the current params."""
@@ -249,7 +265,7 @@ class LeanForward:
     def _build(self) -> None:
         net = self.net
         self.traces += 1
-        self.captured = None
+        self.captured, self.engine, self._picked, self.cached = None, None, False, None
         t0 = time.perf_counter()
         self.gm, tracee = self._record()
         if net.device.type == "cpu":        # CPU kernel choices (oneDNN vs im2col)

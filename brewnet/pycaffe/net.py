@@ -6,13 +6,14 @@ per-layer step API) knows nothing of pycaffe's quirks; this subclass alone does.
 from __future__ import annotations
 
 import functools
+import time
 from collections import OrderedDict
 
 import numpy as np
 
 from .. import net as core
 from ..blob import ParamBlob
-from ..execution import process, threads
+from ..execution import engines, process, threads
 from ..execution.lean import LeanForward
 from ..net import NetError
 
@@ -30,7 +31,15 @@ class LayerView:
 
 class Net(core.Net):
     """pycaffe's ``caffe.Net``: ``Net(prototxt, phase, level=0, stages=(), weights=None)``, and
-    the older orders ``Net(prototxt, phase)`` and ``Net(prototxt, weights, phase)``."""
+    the older orders ``Net(prototxt, phase)`` and ``Net(prototxt, weights, phase)``.
+    ``engine``: what runs repeated whole forwards of a forward-only net (auto, eager, compiled,
+    onnxruntime: brewnet/execution/engines.py; default ``BREWNET_ENGINE``, else auto)."""
+
+    def __init__(self, *args, engine: str | None = None, **kwargs):
+        self.engine = engines.engine_name(engine)
+        if self.engine == "onnxruntime":
+            engines.need_onnxruntime()      # asked for by name: missing is the user's error now
+        super().__init__(*args, **kwargs)
 
     def forward(self, blobs=None, start=None, end=None, **inputs):
         """pycaffe's ``Net.forward``: feed ``inputs`` (numpy arrays keyed by input blob name),
@@ -46,6 +55,7 @@ class Net(core.Net):
                 blob.reshape(*value.shape)
             blob.data[...] = value
         whole = start is None and end is None
+        t0 = time.perf_counter()
         with self._threads as tuner:
             traces = self._lean.traces
             if not (whole and not blobs and not self.hooked() and self._lean.run()):
@@ -53,8 +63,10 @@ class Net(core.Net):
                     self._lean.settle()      # a partial pass reads what the graph did not write
                 self._lean.drop()
                 self.forward_tensors(start, end)
-            if self._lean.traces != traces:
-                tuner.discard()              # the one-off trace is no sample of a call
+            if self._lean.traces != traces or self._lean.engine is not None:
+                tuner.discard()   # a one-off trace, or another engine's threads: no sample
+        if whole:
+            self._lean.spent += time.perf_counter() - t0
         i1 = self._index(end, len(self.layer_list) - 1)
         outs = self.top_lists[i1] if end is not None else self.outputs
         return {n: self.blobs[n].data for n in list(outs) + list(blobs or [])}

@@ -1,0 +1,283 @@
+"""Inference engines for a forward-only net's repeated whole forwards.
+
+``eager``: brewnet's own layers (recorded as the lean graph, lean.py). ``onnxruntime``: brewnet's
+ONNX export of the same folded graph in ONNX Runtime. ``compiled``: ``torch.compile`` (inductor,
+freezing) of that graph. ``auto`` (the default): once the forwards on one input shape have
+taken ``AUTO_AFTER_S``, the candidates are timed on the net's real inputs within ``MEASURE_S``,
+each checked against the eager outputs (``RTOL`` of their scale), and the fastest kept; the
+choice is cached (engine_cache.py), and a cached choice is taken at the lean graph's call.
+``compiled`` is not an ``auto`` candidate: its first compile (3-60 s) is longer than any
+bound a forward call should pay unasked.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import statistics
+import time
+import warnings
+
+import torch
+
+from ..errors import NetError
+from . import engine_cache
+
+log = logging.getLogger("brewnet")
+ENGINES = ("auto", "eager", "compiled", "onnxruntime")
+PRECISIONS = ("fp32", "bf16")
+MEASURE_S = 2.0       # auto: the timing of the candidates on one input shape stops after this
+ROUNDS = (2, 7)       # auto: timed calls per candidate, at least and at most (alternating)
+# auto accepts a candidate whose outputs are within RTOL of the eager outputs' largest magnitude:
+# ONNX Runtime's kernels sum in another order and fuse bias and activation (measured on the zoo
+# nets: up to 3e-6 of scale; 1e-4 leaves room for deep nets, and catches any wrong answer).
+RTOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 5e-2}
+OPSET = 18
+AUTO_AFTER_S = 5.0    # auto: seconds of whole forwards on one input shape before it measures
+
+
+def engine_name(value: str | None, where: str = "engine") -> str:
+    """The engine asked for (``value``, else ``BREWNET_ENGINE``, else auto); a bad name is one line."""
+    if value is None:
+        value, where = os.environ.get("BREWNET_ENGINE", "").strip() or "auto", "BREWNET_ENGINE"
+    if value not in ENGINES:
+        raise NetError(f"{where}={value!r}: expected one of {', '.join(ENGINES)}")
+    return value
+
+
+def precision_name(value: str | None, where: str = "precision") -> str:
+    if value is None:
+        value, where = os.environ.get("BREWNET_PRECISION", "").strip() or "fp32", "BREWNET_PRECISION"
+    if value not in PRECISIONS:
+        raise NetError(f"{where}={value!r}: expected one of {', '.join(PRECISIONS)}")
+    return value
+
+
+def need_onnxruntime():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise NetError("engine 'onnxruntime' needs ONNX Runtime: pip install 'brewnet[onnx]'") from None
+    return onnxruntime
+
+
+def weights_state(net) -> tuple:
+    """Changes when any weight may have changed (torch's version counters, numpy views)."""
+    from .. import blob as _blob
+
+    return (_blob.param_views(), tuple((id(t), t._version) for l in net.layer_list for t in l.blobs))
+
+
+@contextlib.contextmanager
+def quiet_exporter():
+    """The ONNX exporter's progress notes (its passes log at INFO, torch warns of torchvision)
+    are not the user's business while a forward picks an engine."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "onnxscript", "onnx_ir", "torch._export",
+                                               "torch.export", "torch._dynamo")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, lvl in zip(loggers, levels):
+            lg.setLevel(lvl)
+
+
+class OnnxRuntimeEngine:
+    """The net's folded graph as ONNX in an ONNX Runtime session (the file cached per weights)."""
+
+    name = "onnxruntime"
+
+    def __init__(self, net, threads: int):
+        ort = need_onnxruntime()
+        self.net, self.state = net, weights_state(net)
+        shapes = [tuple(net.shapes[n]) for n in net.inputs]
+        path = engine_cache.onnx_path(net, shapes, OPSET)
+        if not path.exists():
+            self._export(path)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+        opts.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        except Exception as e:   # noqa: BLE001 - a damaged cache file: export it again
+            log.warning("engine cache: %s does not load (%s): written again", path, str(e)[:200])
+            self._export(path)
+            self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        self.inputs = [i.name for i in self.session.get_inputs()]
+        self.outputs = list(net.outputs)
+
+    def _export(self, path) -> None:
+        from ..deploy import export_onnx, to_torch
+
+        t0 = time.perf_counter()
+        gm = to_torch(self.net, fold=True, dynamic_batch=False)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with quiet_exporter():
+            export_onnx(gm, tmp, dynamic_batch=False, opset=OPSET)
+        os.replace(tmp, path)
+        log.debug("Net '%s': ONNX written for ONNX Runtime in %.1f s", self.net.name, time.perf_counter() - t0)
+
+    def __call__(self, xs):
+        feed = {n: x.detach().contiguous().numpy() for n, x in zip(self.inputs, xs)}
+        return tuple(torch.from_numpy(a) for a in self.session.run(self.outputs, feed))
+
+
+class CompiledEngine:
+    """``torch.compile`` (inductor, freezing: weights are constants) of the folded graph."""
+
+    name = "compiled"
+
+    def __init__(self, net, threads: int):
+        from torch._inductor import config
+
+        from ..deploy import to_torch
+
+        self.net, self.state = net, weights_state(net)
+        gm = to_torch(net, fold=True, dynamic_batch=False).eval()
+        t0 = time.perf_counter()
+        with config.patch(freezing=True), torch.no_grad():
+            self.fn = torch.compile(gm, dynamic=False)
+            self.fn(*[torch.randn(net.shapes[n]) for n in net.inputs])   # compiles here
+        log.info("Net '%s': compiled by torch.compile in %.1f s", net.name, time.perf_counter() - t0)
+
+    def __call__(self, xs):
+        with torch.no_grad():
+            out = self.fn(*[x.contiguous() for x in xs])
+        return out if isinstance(out, tuple) else (out,)
+
+
+BUILDERS = {"onnxruntime": OnnxRuntimeEngine, "compiled": CompiledEngine}
+
+
+def candidates(asked: str) -> list[str]:
+    if asked != "auto":
+        return [asked]
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        log.debug("engine auto: ONNX Runtime is not installed (pip install 'brewnet[onnx]')")
+        return ["eager"]
+    return ["eager", "onnxruntime"]
+
+
+def within(got, want, dtype=torch.float32) -> str | None:
+    """None when ``got`` matches ``want`` (RTOL of each output's scale), else what differs."""
+    if len(got) != len(want):
+        return f"{len(got)} outputs, expected {len(want)}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        b = b.detach().float()
+        a = a.detach().float().reshape(b.shape) if a.numel() == b.numel() else None
+        if a is None:
+            return f"output {i} has another shape"
+        scale = float(b.abs().max()) if b.numel() else 0.0
+        err = float((a - b).abs().max()) if b.numel() else 0.0
+        if not err <= RTOL[dtype] * max(scale, 1e-30):
+            return f"output {i} differs by {err:.3g} (scale {scale:.3g})"
+    return None
+
+
+def _time(fn, xs) -> float:
+    t0 = time.perf_counter()
+    fn(xs)
+    return time.perf_counter() - t0
+
+
+def measure(runners: dict, xs, budget_s: float = MEASURE_S) -> dict[str, float]:
+    """Median seconds per call of each runner on ``xs``, alternating, within ``budget_s``."""
+    times = {k: [] for k in runners}
+    t_end = time.perf_counter() + budget_s
+    for r in range(ROUNDS[1]):
+        for k, fn in (runners.items() if r % 2 == 0 else reversed(runners.items())):
+            times[k].append(_time(fn, xs))
+        if r + 1 >= ROUNDS[0] and time.perf_counter() > t_end:
+            break
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _build(name: str, net, threads: int, xs, want):
+    """Engine ``name`` for ``net``, checked against the eager outputs ``want`` on ``xs``."""
+    runner = BUILDERS[name](net, threads)
+    bad = within(runner(xs), want)
+    if bad is not None:
+        raise NetError(f"its outputs differ from the eager net's: {bad}")
+    return runner
+
+
+def due(lean, xs) -> bool:
+    """Whether to pick the engine now: at once when one is named or the cache knows the
+    choice; for ``auto`` otherwise once the net has spent ``AUTO_AFTER_S`` in whole forwards on
+    these shapes, so that the one-off export and timing (seconds) cost at most about as much
+    again as the forwards already run (a script classifying a few images never pays it)."""
+    net, asked = lean.net, getattr(lean.net, "engine", "auto")
+    if asked != "auto" or net.device.type != "cpu" or candidates(asked) == ["eager"]:
+        return True
+    if lean.cached is None:
+        key = engine_cache.choice_key(net, [tuple(x.shape) for x in xs], torch.get_num_threads(), "fp32")
+        lean.cached = (key, engine_cache.ChoiceCache().get(key))
+    return lean.cached[1] is not None or lean.spent >= AUTO_AFTER_S
+
+
+def pick(lean, xs):
+    """The runner for ``lean``'s net on inputs ``xs`` (None: the eager graph), as the net's
+    ``engine`` asks: built, checked, and for ``auto`` timed against the eager graph (or taken
+    from the cache)."""
+    net, asked = lean.net, getattr(lean.net, "engine", "auto")
+    if asked == "eager" or net.device.type != "cpu":
+        return None
+    threads = torch.get_num_threads()
+    names, key, hit = candidates(asked), None, None
+    if asked == "auto" and names != ["eager"]:
+        key, hit = lean.cached if lean.cached is not None else (None, None)
+        key = key or engine_cache.choice_key(net, [tuple(x.shape) for x in xs], threads, "fp32")
+        if hit is not None:
+            log.info("Net '%s': engine %s (measured before: %s)", net.name, hit["engine"], _ms(hit["ms"]))
+            if hit["engine"] == "eager":
+                return None
+            names = [hit["engine"]]
+    if names == ["eager"]:
+        return None
+    with torch.no_grad():
+        want = lean._bound_call(xs)
+    runners = {"eager": lean._bound_call}
+    for name in names:
+        if name == "eager":
+            continue
+        try:
+            runners[name] = _build(name, net, threads, xs, want)
+        except Exception as e:   # noqa: BLE001 - an engine that cannot take the net is skipped
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            if asked == "auto":
+                log.debug("Net '%s': engine %s skipped: %s", net.name, name, why)
+            else:
+                log.warning("Net '%s': engine %s cannot run it (%s); the net runs on the eager engine",
+                            net.name, name, why)
+    if asked != "auto" or hit is not None or len(runners) == 1:
+        choice = next(iter(reversed(runners)))
+    else:
+        with torch.no_grad():
+            ms = {k: 1e3 * v for k, v in measure(runners, xs).items()}
+        choice = min(ms, key=ms.get)
+        engine_cache.ChoiceCache().put(key, choice, ms)
+        log.info("Net '%s': engine %s (measured: %s)", net.name, choice, _ms(ms))
+    return None if choice == "eager" else runners[choice]
+
+
+def rebuild(lean, runner, xs):
+    """``runner``'s engine again on the net's current weights (a weight changed)."""
+    with torch.no_grad():
+        want = lean._bound_call(xs)
+    try:
+        return _build(runner.name, lean.net, torch.get_num_threads(), xs, want)
+    except Exception as e:   # noqa: BLE001 - the eager graph answers instead
+        log.warning("Net '%s': engine %s cannot run the changed weights (%s: %s); the net runs on "
+                    "the eager engine", lean.net.name, runner.name, type(e).__name__, str(e)[:300])
+        return None
+
+
+def _ms(ms: dict) -> str:
+    return ", ".join(f"{k} {v:.3g} ms" for k, v in ms.items())
