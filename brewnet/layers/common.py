@@ -28,6 +28,22 @@ def eltwise_max(xs):
     return top
 
 
+def eltwise_sum(xs, coeffs):
+    """sum of c_i * x_i as Caffe: the first term c_0 x_0, then one axpy per bottom, top + c_i x_i
+    with a single rounding (OpenBLAS's saxpy is a fused multiply-add; so is torch.add with
+    alpha), one pass each; a -0 first term stays -0 where Caffe's 0 + c x gives +0. After the
+    first add, top is fresh and is added to in place: add saves no input for its backward, so
+    that is safe under autograd too."""
+    top = xs[0] if coeffs[0] == 1 else xs[0] * coeffs[0]
+    fresh = top is not xs[0]
+    for c, x in zip(coeffs[1:], xs[1:]):
+        if fresh and x.dtype == top.dtype:
+            top.add_(x, alpha=c)
+        else:
+            top, fresh = torch.add(top, x, alpha=c), True
+    return top
+
+
 def sort_desc(x, dim):
     """Values and indices along ``dim`` sorted descending; ties put the higher index first
     (Caffe sorts (value, index) pairs with std::greater)."""
@@ -163,14 +179,12 @@ class Eltwise(Layer):
             return [eltwise_max(bottoms)]
         if op == Op.PROD:
             top = bottoms[0] * bottoms[1]
+            # in place only without a gradient: mul saves its inputs, top among them
+            grad = Fn.grad_needed(*bottoms)
             for x in bottoms[2:]:
-                top = top * x
+                top = top * x if grad or x.dtype != top.dtype else top.mul_(x)
             return [top]
-        top = None
-        for c, x in zip(self.coeffs, bottoms):
-            term = x if c == 1 else x * c
-            top = term if top is None else top + term
-        return [top]
+        return [eltwise_sum(bottoms, self.coeffs)]
 
 
 @register("Axpy")

@@ -23,6 +23,12 @@ FLT_MIN = 1.1754943508222875e-38  # Caffe's start value for the STOCHASTIC TEST 
 Ints = Sequence[int]
 
 
+def grad_needed(*tensors: torch.Tensor | None) -> bool:
+    """True when autograd would record an op on ``tensors``: the layers then keep the form whose
+    backward is Caffe's; otherwise they may use a cheaper inference form with the same values."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 # -- output sizes ------------------------------------------------------------------------------
 def _trunc_div(a: int, b: int) -> int:
     """C++ integer division (rounds toward zero)."""
@@ -98,6 +104,14 @@ def _edge_pads(in_hw, out_hw, kernel, stride, pad) -> list[int]:
 
 
 # -- pooling ---------------------------------------------------------------------------------
+def _clamp_flt_max(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Caffe's -FLT_MAX (and no gradient) for a window with nothing above it: an empty one or one
+    of -inf only. Never skipped: knowing the input holds no -inf would cost a read of the input,
+    more than this pass over the (smaller) output. In place without a gradient (``y`` is fresh):
+    no new allocation, the same bits."""
+    return y.clamp_min(-FLT_MAX) if grad_needed(x) else y.clamp_min_(-FLT_MAX)
+
+
 def max_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints, ceil_mode: bool = True,
                return_mask: bool = False):
     """Caffe MAX pooling of (N, C, H, W); returns ``(top, mask)``.
@@ -106,13 +120,17 @@ def max_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints, ceil_mode
     starting from -FLT_MAX, so a window with nothing above -FLT_MAX gives -FLT_MAX and mask -1.
     ``mask`` (only with ``return_mask``, else None) is the flat index ``h * W + w`` as x's dtype.
     Differs from torch: Caffe's window count (``pool_out_shape``), pad up to ``kernel - 1``,
-    -FLT_MAX instead of -inf for empty windows; NaNs are skipped by Caffe but win in torch.
+    -FLT_MAX instead of -inf for empty windows and windows of -inf only; NaNs are skipped by
+    Caffe but win in torch.
     """
     in_hw = tuple(x.shape[-2:])
     out_hw = pool_out_shape(in_hw, kernel, stride, pad, ceil_mode)
     if _native_pool_ok(in_hw, out_hw, kernel, stride, pad, ceil_mode):
-        if not return_mask:  # indices cost ~5x the pooling itself; autograd keeps its own
-            return F.max_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode), None
+        # Without a mask top no index is converted (torch's CPU max_pool2d still computes its
+        # own: aten has no index-free kernel for it, with or without a gradient).
+        if not return_mask:
+            y = F.max_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode)
+            return _clamp_flt_max(y, x), None
         y, idx = F.max_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode,
                               return_indices=True)
     else:
@@ -128,7 +146,7 @@ def max_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints, ceil_mode
             idx = (idx // wp - pad[0]) * in_hw[1] + (idx % wp - pad[1])
             idx = _fill_unreached(idx, reach, out_hw, -1)
         y = _fill_unreached(y, reach, out_hw, float("-inf"))   # empty: -FLT_MAX, mask -1
-    y = y.clamp_min(-FLT_MAX)
+    y = _clamp_flt_max(y, x)
     mask = None
     if return_mask:
         mask = torch.where(y > -FLT_MAX, idx.to(x.dtype), torch.full_like(y, -1.0)).detach()
@@ -284,7 +302,17 @@ def lrn_across_channels(x: torch.Tensor, size: int, alpha: float, beta: float,
         sq = (x * x).reshape(n, 1, c, -1)
         mean = F.avg_pool2d(sq, (size, 1), stride=1, padding=((size - 1) // 2, 0),
                             count_include_pad=True).view_as(x)
-    return x * (k + alpha * mean).pow(-beta)
+    return _lrn_scale(x, mean, alpha, k, beta)
+
+
+def _lrn_scale(x: torch.Tensor, mean: torch.Tensor, alpha: float, k: float,
+               beta: float) -> torch.Tensor:
+    """``x * (k + alpha * mean)^-beta``. Without a gradient the same ops run in place on the fresh
+    ``mean`` (same bits, no new buffers); with one, out of place (pow and mul save their
+    inputs)."""
+    if grad_needed(x) or mean.dtype != x.dtype:
+        return x * (k + alpha * mean).pow(-beta)
+    return mean.mul_(alpha).add_(k).pow_(-beta).mul_(x)
 
 
 def lrn_within_channel(x: torch.Tensor, size: int, alpha: float, beta: float) -> torch.Tensor:
@@ -292,7 +320,7 @@ def lrn_within_channel(x: torch.Tensor, size: int, alpha: float, beta: float) ->
     (Caffe WITHIN_CHANNEL: its AVE pool divides by size^2 everywhere; ``k`` is not used)."""
     pad = (size - 1) // 2
     mean = F.avg_pool2d(x * x, size, stride=1, padding=pad, count_include_pad=True)
-    return x * (1 + alpha * mean).pow(-beta)
+    return _lrn_scale(x, mean, alpha, 1.0, beta)
 
 
 # -- convolution, deconvolution, im2col ---------------------------------------------------------

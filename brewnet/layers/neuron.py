@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..proto import caffe_pb2 as pb
 from .base import Layer
+from .functional import grad_needed
 from .registry import register
 
 
@@ -31,7 +32,16 @@ def relu(x, negative_slope: float = 0.0):
 
 
 def prelu(x, slope):
-    """``slope`` is a scalar tensor or one value per channel (axis 1)."""
+    """``slope`` is a scalar tensor or one value per channel (axis 1).
+
+    Without a gradient: torch.prelu, one pass. Its value is the where-form's bit for bit,
+    x > 0 ? x : slope * x, signed zeros and NaN included, which is Caffe's
+    max(x, 0) + slope * min(x, 0) except the sign of a zero result: x = +0 with a negative slope
+    gives -0 where Caffe gives +0 (both forms; they compare equal). NaN in x or slope gives NaN
+    as in Caffe."""
+    if (x.dim() >= 2 and slope.dtype == x.dtype and slope.device == x.device
+            and not grad_needed(x, slope)):
+        return F.prelu(x, slope)
     if slope.dim() == 1:
         slope = slope.view((1, -1) + (1,) * (x.dim() - 2))
     # where(x > 0, ...) gives the slope branch (and a slope diff of 0) at x == 0, as Caffe.
