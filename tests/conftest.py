@@ -17,6 +17,7 @@ would report a GPU parity it never tested.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -68,6 +69,8 @@ def cuda_missing() -> str | None:
 
 
 def pytest_configure(config):
+    # the engine cache (brewnet/execution/engine_cache.py): this run's own, never the user's
+    os.environ.setdefault("BREWNET_CACHE_DIR", tempfile.mkdtemp(prefix="brewnet-test-cache-"))
     config.addinivalue_line("markers", "cpu_only(reason): in a device module, a test that "
                             "cannot run on a device (skipped under BREWNET_TEST_DEVICE=cuda)")
     if device_name() != "cuda":

@@ -1,0 +1,245 @@
+"""Inference engines (brewnet/execution/engines.py): each engine gives the eager net's outputs
+(``engines.RTOL`` of their scale: another runtime sums in another order) past the call where it
+switches on, sees weights changed after it was built, and the choice cache (engine_cache.py)
+refuses what no longer applies."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import brewnet
+from brewnet.errors import NetError
+from brewnet.execution import engine_cache, engines, lean
+from brewnet.pycaffe import Net
+from helpers import MODELS, SHARED, need
+
+CIFAR = MODELS / "bvlc/examples/cifar10/cifar10_quick.prototxt"
+LENET = MODELS / "bvlc/examples/mnist/lenet.prototxt"
+NSFW = SHARED / "caffe-models/trained/open_nsfw"
+CALLS = lean.AFTER + 5
+onnxruntime = pytest.importorskip("onnxruntime", reason="the onnx extra (pip install 'brewnet[onnx]')")
+
+
+def inputs(net, n: int = CALLS, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shape = net.blobs[net.inputs[0]].data.shape
+    return [rng.standard_normal(shape).astype(np.float32) for _ in range(n)]
+
+
+def outputs(net, xs) -> list[dict]:
+    return [{k: v.copy() for k, v in net.forward(**{net.inputs[0]: x}).items()} for x in xs]
+
+
+def assert_close(got: dict, want: dict, rtol: float) -> None:
+    for k in want:
+        scale = max(float(np.abs(want[k]).max()), 1e-30)
+        assert np.abs(got[k] - want[k]).max() <= rtol * scale, k
+
+
+def twin(path, engine, weights=None, batch=None):
+    """A net on ``engine`` and an eager one with the same weights."""
+    a = Net(str(path), brewnet.TEST, engine=engine)
+    b = Net(str(path), brewnet.TEST, engine="eager")
+    if weights:
+        a.copy_from(str(weights))
+        b.copy_from(str(weights))
+    else:
+        for la, lb in zip(a.layers, b.layers):
+            for aa, bb in zip(la.blobs, lb.blobs):
+                bb.data[...] = aa.data
+    for n in (a, b):
+        if batch:
+            n.blobs[n.inputs[0]].reshape(batch, *n.blobs[n.inputs[0]].data.shape[1:])
+            n.reshape()
+    return a, b
+
+
+@pytest.mark.parametrize("path", [CIFAR, LENET], ids=["cifar10_quick", "lenet"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_onnxruntime_engine_gives_the_eager_outputs(path, batch):
+    net, eager = twin(path, "onnxruntime", batch=batch)
+    xs = inputs(net)
+    got, want = outputs(net, xs), outputs(eager, xs)
+    assert isinstance(net._lean.engine, engines.OnnxRuntimeEngine)
+    assert eager._lean.engine is None
+    for g, w in zip(got, want):
+        assert_close(g, w, engines.RTOL[torch.float32])
+    # the calls before the switch are eager's own bits
+    for g, w in zip(got[:lean.AFTER], want[:lean.AFTER]):
+        assert all(np.array_equal(g[k], w[k]) for k in w)
+
+
+def test_onnxruntime_engine_on_a_trained_resnet():
+    need(NSFW / "deploy.prototxt")
+    net, eager = twin(NSFW / "deploy.prototxt", "onnxruntime", weights=NSFW / "resnet_50_1by2_nsfw.caffemodel")
+    xs = inputs(net, lean.AFTER + 3)
+    got, want = outputs(net, xs), outputs(eager, xs)
+    assert isinstance(net._lean.engine, engines.OnnxRuntimeEngine)
+    for g, w in zip(got, want):
+        assert_close(g, w, engines.RTOL[torch.float32])
+
+
+def test_compiled_engine_gives_the_eager_outputs():
+    net, eager = twin(LENET, "compiled")
+    xs = inputs(net)
+    got, want = outputs(net, xs), outputs(eager, xs)
+    assert isinstance(net._lean.engine, engines.CompiledEngine)
+    for g, w in zip(got, want):
+        assert_close(g, w, engines.RTOL[torch.float32])
+
+
+def test_an_engine_sees_weights_changed_after_it_was_built():
+    net, eager = twin(CIFAR, "onnxruntime")
+    xs = inputs(net)
+    outputs(net, xs)
+    built = net._lean.engine
+    for n in (net, eager):
+        n.params["conv1"][0].data[...] *= 0.5          # net surgery, through numpy
+    got, want = outputs(net, xs[:3]), outputs(eager, xs[:3])
+    assert net._lean.engine is not built and isinstance(net._lean.engine, engines.OnnxRuntimeEngine)
+    for g, w in zip(got, want):
+        assert_close(g, w, engines.RTOL[torch.float32])
+
+
+def test_intermediate_blobs_under_another_engine_are_the_eager_nets():
+    net, eager = twin(CIFAR, "onnxruntime")
+    xs = inputs(net)
+    outputs(net, xs)
+    outputs(eager, xs)
+    assert net._lean.engine is not None
+    assert np.array_equal(net.blobs["conv2"].data, eager.blobs["conv2"].data)
+
+
+def test_auto_waits_until_the_forwards_are_worth_an_export(cache):
+    """At the defaults, a net whose forwards take milliseconds stays eager through 20 calls:
+    no export, no measurement, nothing cached."""
+    net = Net(str(LENET), brewnet.TEST)
+    assert net.engine == "auto"
+    outputs(net, inputs(net, 20))
+    assert net._lean.gm is not None and net._lean.engine is None
+    assert not (engine_cache.cache_dir() / "onnx").exists() and not cache.path.exists()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BREWNET_CACHE_DIR", str(tmp_path))
+    return engine_cache.ChoiceCache()
+
+
+def test_auto_measures_once_then_takes_the_cached_choice(cache, monkeypatch, caplog):
+    monkeypatch.setattr(engines, "AUTO_AFTER_S", 0.0)       # measure at the lean graph's call
+    timed = []
+    real = engines.measure
+    monkeypatch.setattr(engines, "measure", lambda *a, **k: timed.append(1) or real(*a, **k))
+    net = Net(str(CIFAR), brewnet.TEST)
+    xs = inputs(net)
+    first = outputs(net, xs)
+    assert timed == [1]
+    entries = json.loads(cache.path.read_text())["choices"]
+    (entry,) = entries.values()
+    assert set(entry["ms"]) == {"eager", "onnxruntime"} and entry["engine"] in entry["ms"]
+    again = Net(str(CIFAR), brewnet.TEST)
+    again.share_with(net)
+    with caplog.at_level(logging.INFO, logger="brewnet"):
+        second = outputs(again, xs)
+    assert timed == [1], "a cached choice is not measured again"
+    assert "measured before" in caplog.text
+    for g, w in zip(second, first):
+        assert_close(g, w, engines.RTOL[torch.float32])
+
+
+def test_a_cached_choice_is_taken_at_the_lean_call_at_the_defaults(cache):
+    net, eager = twin(CIFAR, None)
+    xs = inputs(net)
+    key = engine_cache.choice_key(net, [net.blobs["data"].data.shape], torch.get_num_threads(), "fp32")
+    cache.put(key, "onnxruntime", {"eager": 2.0, "onnxruntime": 1.0})
+    got, want = outputs(net, xs), outputs(eager, xs)
+    assert isinstance(net._lean.engine, engines.OnnxRuntimeEngine)
+    for g, w in zip(got, want):
+        assert_close(g, w, engines.RTOL[torch.float32])
+
+
+def test_the_cache_refuses_a_stale_entry(cache):
+    net = Net(str(CIFAR), brewnet.TEST)
+    key = engine_cache.choice_key(net, [(1, 3, 32, 32)], 1, "fp32")
+    cache.put(key, "onnxruntime", {"eager": 2.0, "onnxruntime": 1.0})
+    assert cache.get(key)["engine"] == "onnxruntime"
+    assert cache.get(engine_cache.choice_key(net, [(2, 3, 32, 32)], 1, "fp32")) is None   # shapes
+    wider = CIFAR.read_text().replace("num_output: 32", "num_output: 48", 1)
+    other = Net(wider, brewnet.TEST)
+    assert cache.get(engine_cache.choice_key(other, [(1, 3, 32, 32)], 1, "fp32")) is None  # weights
+    # an entry stored under the right digest with another key inside is not taken either
+    data = json.loads(cache.path.read_text())
+    (digest,) = data["choices"]
+    data["choices"][digest]["key"]["threads"] = 7
+    cache.path.write_text(json.dumps(data))
+    assert cache.get(key) is None
+    # the ONNX file is keyed by the weights' values too
+    before = engine_cache.onnx_path(net, [(1, 3, 32, 32)], engines.OPSET)
+    net.params["conv1"][0].data[0, 0, 0, 0] += 1
+    assert engine_cache.onnx_path(net, [(1, 3, 32, 32)], engines.OPSET) != before
+
+
+def test_a_corrupt_cache_file_is_named_and_rebuilt(cache, monkeypatch, caplog):
+    cache.path.parent.mkdir(parents=True, exist_ok=True)
+    cache.path.write_text("{this is not json")
+    monkeypatch.setattr(engines, "AUTO_AFTER_S", 0.0)
+    net = Net(str(CIFAR), brewnet.TEST)
+    with caplog.at_level(logging.WARNING, logger="brewnet"):
+        outputs(net, inputs(net))
+    assert str(cache.path) in caplog.text and "corrupt" in caplog.text
+    assert len(json.loads(cache.path.read_text())["choices"]) == 1
+
+
+def test_a_damaged_onnx_file_is_written_again(cache, caplog):
+    net, eager = twin(CIFAR, "onnxruntime")
+    path = engine_cache.onnx_path(net, [net.blobs["data"].data.shape], engines.OPSET)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x00garbage")
+    xs = inputs(net)
+    with caplog.at_level(logging.WARNING, logger="brewnet"):
+        got, want = outputs(net, xs), outputs(eager, xs)
+    assert "does not load" in caplog.text
+    assert isinstance(net._lean.engine, engines.OnnxRuntimeEngine)
+    assert_close(got[-1], want[-1], engines.RTOL[torch.float32])
+
+
+def test_an_engine_that_cannot_take_the_net_is_skipped_quietly_by_auto(cache, monkeypatch, caplog):
+    def refuse(*a, **k):
+        raise NetError("no ONNX form for this layer")
+
+    monkeypatch.setattr(engines, "AUTO_AFTER_S", 0.0)
+    monkeypatch.setitem(engines.BUILDERS, "onnxruntime", refuse)
+    net, eager = twin(CIFAR, None)
+    xs = inputs(net)
+    with caplog.at_level(logging.DEBUG, logger="brewnet"):
+        got, want = outputs(net, xs), outputs(eager, xs)
+    assert net._lean.engine is None and net._lean.gm is not None
+    assert "engine onnxruntime skipped: NetError: no ONNX form" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert all(np.array_equal(g["prob"], w["prob"]) for g, w in zip(got, want))
+
+
+def test_onnxruntime_asked_for_without_it_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    with pytest.raises(NetError, match=r"pip install 'brewnet\[onnx\]'"):
+        Net(str(CIFAR), brewnet.TEST, engine="onnxruntime")
+    net = Net(str(CIFAR), brewnet.TEST)                  # auto: eager only, no error
+    assert engines.candidates(net.engine) == ["eager"]
+    outputs(net, inputs(net))
+    assert net._lean.engine is None
+
+
+def test_a_bad_engine_name_is_one_line(monkeypatch):
+    with pytest.raises(NetError, match=r"^engine='fast': expected one of auto, eager, compiled, onnxruntime$"):
+        Net(str(CIFAR), brewnet.TEST, engine="fast")
+    monkeypatch.setenv("BREWNET_ENGINE", "ort")
+    with pytest.raises(NetError, match=r"^BREWNET_ENGINE='ort'"):
+        Net(str(CIFAR), brewnet.TEST)
+    monkeypatch.setenv("BREWNET_ENGINE", "eager")
+    assert Net(str(CIFAR), brewnet.TEST).engine == "eager"
