@@ -243,3 +243,16 @@ def test_a_bad_engine_name_is_one_line(monkeypatch):
         Net(str(CIFAR), brewnet.TEST)
     monkeypatch.setenv("BREWNET_ENGINE", "eager")
     assert Net(str(CIFAR), brewnet.TEST).engine == "eager"
+
+
+def test_brewnet_time_engines_prints_every_engines_time(tmp_path, monkeypatch, capsys):
+    from brewnet.cli import main
+
+    monkeypatch.setenv("BREWNET_CACHE_DIR", str(tmp_path))
+    assert main(["time", "--model", str(CIFAR), "--engines", "eager,onnxruntime", "--iterations", "3"]) == 0
+    err = capsys.readouterr().err
+    rows = {line.split()[-3]: line for line in err.splitlines() if line.split()[-1:] and "x" in line.split()[-1]}
+    assert {"eager", "onnxruntime"} <= set(rows), err
+    assert "auto picks " in err
+    assert main(["time", "--model", str(CIFAR), "--engines", "auto"]) != 0
+    assert "--engines lists engines to time" in capsys.readouterr().err

@@ -10,10 +10,14 @@ as they are (zeros); a net with Data layers reads its database, which must exist
 from __future__ import annotations
 
 import logging
+import time
+
+import numpy as np
 
 from ..execution.threads import plan_beside
 from .common import (
     USER_ERRORS,
+    CLIError,
     add_gpu_flag,
     add_net_state_flags,
     report,
@@ -32,6 +36,10 @@ def add_arguments(p) -> None:
                    help="number of timed passes (default 50)")
     p.add_argument("--phase", "-phase", default="TRAIN", choices=["TRAIN", "TEST"],
                    help="network phase (default TRAIN)")
+    p.add_argument("--engines", nargs="?", const="eager,onnxruntime,compiled", metavar="A,B",
+                   help="time whole forwards of a deploy net on each inference engine instead "
+                        "(default: eager,onnxruntime,compiled) and say which auto picks")
+    p.add_argument("--weights", "-weights", metavar="W", help="with --engines: trained weights")
     add_gpu_flag(p)
     add_net_state_flags(p)
 
@@ -42,6 +50,8 @@ def run(args) -> int:
     setup_logging()
     if args.iterations < 1:
         return report(COMMAND, f"--iterations must be at least 1, got {args.iterations}")
+    if args.engines is not None:
+        return run_engines(args)
     try:
         from ..analysis.timing import time_net
         from ..execution import process
@@ -73,4 +83,61 @@ def run(args) -> int:
     log.info("Average Forward-Backward: %g ms.", t.total_ms / n)
     log.info("Total Time: %g ms.", t.total_ms)
     log.info("*** Benchmark ends ***")
+    return 0
+
+
+def time_engines(model, names, iterations: int, weights=None, level: int = 0, stages=()) -> dict:
+    """{engine: median ms per whole forward} of a deploy net on each engine in ``names``
+    (brewnet/execution/engines.py), on one fixed random input, the engines' calls interleaved
+    after each has switched on; an engine that cannot run the net maps to the reason."""
+    from ..errors import NetError
+    from ..execution.lean import AFTER
+    from ..pycaffe import Net
+
+    nets, out = {}, {}
+    for name in names:
+        net = Net(model, 1, level=level, stages=stages, weights=weights, engine=name)
+        if not net.inputs:
+            raise NetError(f"{model}: --engines times a deploy net (one with Input layers)")
+        nets[name] = net
+    rng = np.random.default_rng(0)
+    feed = {n: rng.standard_normal(nets[names[0]].blobs[n].data.shape).astype(np.float32)
+            for n in nets[names[0]].inputs}
+    for name, net in nets.items():
+        for _ in range(AFTER + 2):
+            net.forward(**feed)
+        if name != "eager" and net._lean.engine is None:
+            out[name] = net._lean.guard.off or "it could not run the net (see the log)"
+    times = {name: [] for name in nets if name not in out}
+    for _ in range(iterations):
+        for name in times:
+            t0 = time.perf_counter()
+            nets[name].forward(**feed)
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    out.update({name: float(np.median(v)) for name, v in times.items()})
+    return out
+
+
+def run_engines(args) -> int:
+    """``--engines``: one table line per engine, then auto's pick among its candidates."""
+    from ..execution import engines
+
+    try:
+        names = [engines.engine_name(n.strip(), "--engines") for n in args.engines.split(",") if n.strip()]
+        if "auto" in names or not names:
+            raise CLIError("--engines lists engines to time: eager, onnxruntime, compiled")
+        if "eager" not in names:
+            names.insert(0, "eager")
+        ms = time_engines(args.model, names, args.iterations, args.weights, args.level, stages(args.stage))
+    except USER_ERRORS as e:
+        return report(COMMAND, e)
+    log.info("%-12s %12s %9s", "engine", "ms/forward", "vs eager")
+    for name, v in ms.items():
+        if isinstance(v, str):
+            log.info("%-12s %12s %9s  (%s)", name, "-", "-", v[:200])
+        else:
+            log.info("%-12s %12.3f %8.2fx", name, v, v / ms["eager"])
+    timed = {n: v for n, v in ms.items() if isinstance(v, float) and n in engines.candidates("auto")}
+    log.info("auto picks %s among %s (compiled is asked for by name)", min(timed, key=timed.get),
+             ", ".join(timed))
     return 0
