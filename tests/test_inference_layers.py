@@ -1,0 +1,272 @@
+"""The layers' inference forms (no gradient wanted: one pass, in place where the buffer is
+fresh) against their gradient forms on the same inputs, and the gradient forms still chosen
+whenever an input or a parameter requires grad."""
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import brewnet.layers.functional as Fn
+from brewnet.layers.common import eltwise_sum
+from brewnet.layers.neuron import prelu
+from helpers import GOLDEN_LAYERS, gradcheck_layer, have, make_layer
+
+FLT_MAX = float(np.finfo(np.float32).max)
+SPECIAL = [0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e-45, -1e-45, 3.0, -2.0]
+
+
+class Ops(TorchDispatchMode):
+    """The aten ops a call dispatches (their overload packet names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def ops(f, *args):
+    with Ops() as o:
+        f(*args)
+    return o.names
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    return t.view({torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype])
+
+
+def same_bits(a, b) -> bool:
+    return a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def with_specials(shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=dtype)
+    flat = x.view(-1)
+    for i, v in enumerate(SPECIAL):
+        flat[i::len(SPECIAL) + 3] = v
+    return x
+
+
+def prelu_where(x, slope):
+    """The gradient form (Caffe's backward branch at 0)."""
+    if slope.dim() == 1:
+        slope = slope.view((1, -1) + (1,) * (x.dim() - 2))
+    return torch.where(x > 0, x, x * slope)
+
+
+# -- PReLU ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(2, 5), (2, 5, 7), (3, 5, 6, 7), (2, 5, 2, 3, 4)])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("nhwc", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_prelu_inference_form_is_the_where_form_bit_for_bit(shape, shared, nhwc, dtype):
+    # Same formula (x > 0 ? x : slope * x): equal bits, signed zeros, NaN and infinities included.
+    x = with_specials(shape, dtype)
+    if nhwc and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    slope = torch.randn(() if shared else shape[1], dtype=dtype)
+    if not shared:
+        slope[:3] = torch.tensor([0.0, -0.5, float("nan")])
+    with torch.no_grad():
+        y = prelu(x, slope)
+    assert same_bits(y, prelu_where(x, slope)) and y.stride() == prelu_where(x, slope).stride()
+
+
+def test_prelu_values_are_caffes_with_its_signed_zeros():
+    # Caffe: max(x, 0) + a * min(x, 0) (std::max / std::min keep the first operand on ties).
+    x = torch.tensor(SPECIAL[:7]).view(1, -1)
+    for a in (0.25, -0.25, 0.0):
+        with torch.no_grad():
+            y = prelu(x, torch.tensor(a))
+        with np.errstate(invalid="ignore"):       # 0 * -inf: NaN in Caffe too
+            caffe = [np.float32(0 if v < 0 else v) + np.float32(a) * np.float32(0 if v > 0 else v)
+                     for v in np.float32(SPECIAL[:7])]
+        np.testing.assert_array_equal(y.view(-1).numpy(), np.float32(caffe))   # == on zeros, NaN
+        # the one sign that differs from Caffe (both forms): +0 with a negative slope gives -0
+        assert torch.signbit(y[0, 0]).item() == (a < 0)
+        assert torch.signbit(y[0, 1]).item() == (a >= 0)                         # -0, as Caffe
+
+
+def test_prelu_layer_picks_its_form_by_grad():
+    layer, _ = make_layer('name: "p" type: "PReLU" bottom: "x" top: "y"', [(2, 3, 4, 4)])
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        fused = ops(layer.forward, [x])
+    assert "_prelu_kernel" in fused or "prelu" in fused
+    assert "where" not in fused
+    # the slope blob requires grad: with grad enabled the where form is used even for a plain x
+    assert layer.blobs[0].requires_grad and "where" in ops(layer.forward, [x])
+    assert "where" in ops(layer.forward, [x.clone().requires_grad_()])
+    layer.blobs[0].requires_grad_(False)
+    assert "where" not in ops(layer.forward, [x])       # nothing needs a gradient
+    layer.blobs[0].requires_grad_(True)
+
+
+def test_prelu_gradient_form_takes_caffes_branch_at_zero():
+    layer, _ = make_layer('name: "p" type: "PReLU" bottom: "x" top: "y" '
+                          'prelu_param { filler { type: "constant" value: 0.3 } }', [(1, 2, 1, 3)])
+    x = torch.tensor([[[[0.0, -0.0, 2.0]], [[0.0, -1.0, 1.0]]]], requires_grad=True)
+    layer.forward([x])[0].sum().backward()
+    slope = np.float32(0.3)
+    np.testing.assert_array_equal(x.grad.view(-1).numpy(),
+                                  np.float32([slope, slope, 1, slope, slope, 1]))
+    np.testing.assert_array_equal(layer.blobs[0].grad.numpy(), np.float32([0, -1]))
+    x = torch.randn(2, 3, 4, 5) + 0.05 * torch.sign(torch.randn(2, 3, 4, 5))
+    assert gradcheck_layer(layer_for((2, 3, 4, 5)), [x])
+
+
+def layer_for(shape):
+    return make_layer('name: "p" type: "PReLU" bottom: "x" top: "y"', [shape])[0]
+
+
+# -- MAX pooling ------------------------------------------------------------------------------
+POOLS = [((3, 3), (2, 2), (0, 0)), ((2, 2), (2, 2), (0, 0)), ((3, 3), (2, 2), (1, 1)),
+         ((3, 3), (1, 1), (2, 2))]       # the last: pad > kernel // 2, the explicitly padded path
+
+
+@pytest.mark.parametrize("kernel,stride,pad", POOLS)
+@pytest.mark.parametrize("nhwc", [False, True])
+def test_max_pool_windows_of_minus_inf_give_minus_flt_max_in_both_forms(kernel, stride, pad, nhwc):
+    x = with_specials((2, 3, 9, 8))
+    x[0, 0] = float("-inf")                  # every window of this plane holds -inf only
+    x[1, 2, :4, :4] = float("-inf")
+    if nhwc:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        y, _ = Fn.max_pool2d(x, kernel, stride, pad)
+    assert not torch.isneginf(y).any() and (y[0, 0] == -FLT_MAX).all()
+    xg = x.clone().requires_grad_()
+    yg, _ = Fn.max_pool2d(xg, kernel, stride, pad)
+    assert same_bits(y, yg)
+    yg.sum().backward()
+    assert (xg.grad[0, 0] == 0).all()        # Caffe: mask -1, no gradient from such a window
+    # the mask path agrees on the values
+    with torch.no_grad():
+        ym, m = Fn.max_pool2d(x, kernel, stride, pad, return_mask=True)
+    assert same_bits(y, ym) and (m[0, 0] == -1).all()
+
+
+def test_max_pool_clamps_in_place_only_without_grad():
+    x = torch.randn(1, 2, 6, 6)
+    with torch.no_grad():
+        assert "clamp_min_" in ops(Fn.max_pool2d, x, (2, 2), (2, 2), (0, 0))
+    names = ops(Fn.max_pool2d, x.clone().requires_grad_(), (2, 2), (2, 2), (0, 0))
+    assert "clamp_min" in names and "clamp_min_" not in names
+
+
+# -- Eltwise --------------------------------------------------------------------------------
+def eltwise(text, shapes):
+    bottoms = " ".join(f'bottom: "b{i}"' for i in range(len(shapes)))
+    return make_layer(f'name: "e" type: "Eltwise" {bottoms} top: "t" eltwise_param {{ {text} }}',
+                      shapes)[0]
+
+
+@pytest.mark.parametrize("text,n", [("operation: SUM coeff: 0.5 coeff: -1.5", 2),
+                                    ("operation: SUM coeff: 1 coeff: -1", 2),
+                                    ("operation: SUM coeff: 1 coeff: 0.3 coeff: -2", 3),
+                                    ("operation: SUM", 3),
+                                    ("operation: PROD", 3),
+                                    ("operation: MAX", 3)])
+def test_eltwise_same_bits_with_and_without_grad_and_bottoms_untouched(text, n):
+    shape = (2, 3, 5, 7)
+    xs = [with_specials(shape, seed=i) for i in range(n)]
+    keep = [x.clone() for x in xs]
+    layer = eltwise(text, [shape] * n)
+    with torch.no_grad():
+        y = layer.forward(xs)[0]
+    yg = layer.forward([x.clone().requires_grad_() for x in xs])[0]
+    assert same_bits(y, yg)
+    assert all(same_bits(x, k) for x, k in zip(xs, keep))   # pycaffe: a top never aliases a bottom
+    assert y.data_ptr() not in {x.data_ptr() for x in xs}
+
+
+def test_eltwise_sum_is_caffes_axpy_chain():
+    # Caffe: top = 0; top += c_i * x_i with OpenBLAS's saxpy, a fused multiply-add per term.
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(1001, generator=g) for _ in range(3)]
+    cs = [0.5, -1.5, 0.3]
+    cs32 = [float(np.float32(c)) for c in cs]
+    y = eltwise_sum(xs, cs32)
+    want = (xs[0] * cs32[0]).double()
+    for c, x in zip(cs32[1:], xs[1:]):       # c * x is exact in float64: one rounding per term
+        want = (want + x.double() * c).float().double()
+    assert same_bits(y, want.float())
+
+
+def test_eltwise_sum_coeff_golden_bit_for_bit():
+    path = GOLDEN_LAYERS / "eltwise_sum_coeff.npz"
+    if not have(path):
+        pytest.skip("no golden data")
+    z = np.load(path)
+    y = eltwise_sum([torch.from_numpy(z["bottom/a"]), torch.from_numpy(z["bottom/b"])],
+                    [float(np.float32(0.5)), float(np.float32(-1.5))])
+    np.testing.assert_array_equal(y.numpy(), z["top/top"])
+
+
+@pytest.mark.parametrize("text,n", [("operation: SUM coeff: 0.5 coeff: -1.5 coeff: 2", 3),
+                                    ("operation: SUM coeff: 1 coeff: -0.25", 2),
+                                    ("operation: PROD", 3)])
+def test_eltwise_gradients_float64(text, n):
+    shape = (2, 3, 4)
+    layer = eltwise(text, [shape] * n)
+    assert gradcheck_layer(layer, [torch.randn(shape) for _ in range(n)])
+
+
+def test_eltwise_prod_in_place_only_without_grad():
+    shape = (2, 3)
+    layer = eltwise("operation: PROD", [shape] * 3)
+    xs = [torch.randn(shape) for _ in range(3)]
+    with torch.no_grad():
+        assert "mul_" in ops(layer.forward, xs)
+    assert "mul_" not in ops(layer.forward, [x.requires_grad_() for x in xs])
+
+
+# -- LRN ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("region", ["ACROSS_CHANNELS", "WITHIN_CHANNEL"])
+@pytest.mark.parametrize("nhwc", [False, True])
+def test_lrn_same_bits_with_and_without_grad(region, nhwc):
+    shape = (2, 7, 6, 5)
+    layer, _ = make_layer(f'name: "l" type: "LRN" bottom: "x" top: "y" lrn_param {{ local_size: 3 '
+                          f'alpha: 0.01 beta: 0.75 k: 2 norm_region: {region} }}', [shape])
+    x = torch.randn(shape)
+    if nhwc:
+        x = x.contiguous(memory_format=torch.channels_last)
+    keep = x.clone()
+    with torch.no_grad():
+        names = ops(layer.forward, [x])
+        y = layer.forward([x])[0]
+    assert "pow_" in names
+    xg = x.clone().requires_grad_()
+    names = ops(layer.forward, [xg])
+    yg = layer.forward([xg])[0]
+    assert "pow_" not in names and "pow" in names
+    assert same_bits(y, yg) and y.stride() == yg.stride() and same_bits(x, keep)
+
+
+# -- the layers left as they were: one op each already ----------------------------------------
+@pytest.mark.parametrize("text,shapes,op", [
+    ('type: "ReLU" relu_param { negative_slope: 0.1 }', [(2, 3, 4, 4)], "leaky_relu"),
+    ('type: "Concat"', [(2, 3, 4, 4), (2, 2, 4, 4)], "cat"),
+    ('type: "Softmax"', [(2, 3, 4, 4)], "_softmax"),
+    ('type: "Bias"', [(2, 3, 4, 4)], "add"),
+])
+def test_one_op_layers(text, shapes, op):
+    layer, _ = make_layer(f'name: "l" {text} ' + " ".join(f'bottom: "b{i}"' for i in range(len(shapes)))
+                          + ' top: "t"', shapes)
+    with torch.no_grad():
+        names = ops(layer.forward, [torch.randn(s) for s in shapes])
+    assert op in names
+
+
+def test_depthwise_convolution_is_one_kernel_without_grad():
+    layer, _ = make_layer('name: "c" type: "Convolution" bottom: "x" top: "y" convolution_param { '
+                          'num_output: 4 group: 4 kernel_size: 3 pad: 1 weight_filler { type: '
+                          '"gaussian" std: 0.1 } }', [(2, 4, 6, 6)])
+    x = torch.randn(2, 4, 6, 6).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        names = ops(layer.forward, [x])
+    assert [n for n in names if "conv" in n] == ["convolution"] and "copy_" not in names
