@@ -270,6 +270,8 @@ class LeanForward:
         self.gm, tracee = self._record()
         if net.device.type == "cpu":        # CPU kernel choices (oneDNN vs im2col)
             choose_kernels(self.gm, self._cl)
+            from .postops import fuse_postops      # conv + activation / add as oneDNN post-ops
+            fuse_postops(self.gm, self._cl)
         nhwc = conv_weights(self.gm) if self._cl else set()
         self.steps = [(i, end, getattr(self.gm, attr), names,
                        [f"{attr}.{n}" in nhwc for n in names])
