@@ -256,3 +256,29 @@ def test_brewnet_time_engines_prints_every_engines_time(tmp_path, monkeypatch, c
     assert "auto picks " in err
     assert main(["time", "--model", str(CIFAR), "--engines", "auto"]) != 0
     assert "--engines lists engines to time" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("asked", ["onnxruntime", "auto"])
+def test_serves_module_on_an_engine_answers_any_batch_as_the_module(asked):
+    from brewnet.deploy import to_torch
+
+    gm = to_torch(str(CIFAR))
+    fn, chosen, ms = engines.for_module(gm, asked, torch.randn(4, 3, 32, 32), 1)
+    assert chosen in ("eager", "onnxruntime")
+    if asked == "auto":
+        assert set(ms) == {"eager", "onnxruntime"} and chosen == min(ms, key=ms.get)
+    else:
+        assert chosen == "onnxruntime" and fn is not gm
+    for n in (1, 7):
+        x = torch.randn(n, 3, 32, 32)
+        with torch.no_grad():
+            assert engines.within((fn(x),), (gm(x),)) is None
+
+
+def test_serve_names_a_bad_engine(tmp_path, capsys):
+    from brewnet.cli import main
+
+    weights = tmp_path / "w.caffemodel"
+    Net(str(CIFAR), brewnet.TEST).save(str(weights))
+    assert main(["serve", "--model", str(CIFAR), "--weights", str(weights), "--engine", "fastest"]) != 0
+    assert "--engine='fastest': expected one of auto, eager, compiled, onnxruntime" in capsys.readouterr().err

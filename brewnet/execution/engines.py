@@ -235,7 +235,7 @@ def pick(lean, xs):
         key, hit = lean.cached if lean.cached is not None else (None, None)
         key = key or engine_cache.choice_key(net, [tuple(x.shape) for x in xs], threads, "fp32")
         if hit is not None:
-            log.info("Net '%s': engine %s (measured before: %s)", net.name, hit["engine"], _ms(hit["ms"]))
+            log.info("Net '%s': engine %s (measured before: %s)", net.name, hit["engine"], describe(hit["ms"]))
             if hit["engine"] == "eager":
                 return None
             names = [hit["engine"]]
@@ -263,7 +263,7 @@ def pick(lean, xs):
             ms = {k: 1e3 * v for k, v in measure(runners, xs).items()}
         choice = min(ms, key=ms.get)
         engine_cache.ChoiceCache().put(key, choice, ms)
-        log.info("Net '%s': engine %s (measured: %s)", net.name, choice, _ms(ms))
+        log.info("Net '%s': engine %s (measured: %s)", net.name, choice, describe(ms))
     return None if choice == "eager" else runners[choice]
 
 
@@ -279,5 +279,75 @@ def rebuild(lean, runner, xs):
         return None
 
 
-def _ms(ms: dict) -> str:
+def describe(ms: dict) -> str:
     return ", ".join(f"{k} {v:.3g} ms" for k, v in ms.items())
+
+
+class _ModuleOnnx:
+    """``to_torch``'s module (any batch) as ONNX in ONNX Runtime, called as the module is."""
+
+    name = "onnxruntime"
+
+    def __init__(self, gm, threads: int, folder):
+        import pathlib
+
+        from ..deploy import export_onnx
+
+        ort = need_onnxruntime()
+        path = pathlib.Path(folder) / "net.onnx"
+        with quiet_exporter():
+            export_onnx(gm, path, dynamic_batch=gm.dynamic_batch, opset=OPSET)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+        opts.log_severity_level = 3
+        self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        self.input = self.session.get_inputs()[0].name
+        self.single = len(gm.output_names) == 1
+
+    def __call__(self, x):
+        outs = [torch.from_numpy(a) for a in self.session.run(None, {self.input: x.detach().contiguous().numpy()})]
+        return outs[0] if self.single else tuple(outs)
+
+
+def for_module(gm, asked: str, example: torch.Tensor, threads: int):
+    """(callable, engine name, {engine: ms}) for ``to_torch``'s CPU module ``gm`` (``brewnet
+    serve``: a long-lived process, so the choice is made at start, on ``example``, uncached)."""
+    import tempfile
+
+    if asked == "eager":
+        return gm, "eager", {}
+    with torch.no_grad():
+        want = gm(example)
+    want_t = want if isinstance(want, tuple) else (want,)
+    runners = {"eager": gm}
+    folder = tempfile.mkdtemp(prefix="brewnet-engine-")
+    for name in candidates(asked):
+        if name == "eager":
+            continue
+        try:
+            if name == "onnxruntime":
+                fn = _ModuleOnnx(gm, threads, folder)
+            else:
+                from torch._inductor import config
+
+                with config.patch(freezing=True), torch.no_grad():
+                    fn = torch.compile(gm, dynamic=gm.dynamic_batch)
+                    fn(example)
+            got = fn(example)
+            bad = within(got if isinstance(got, tuple) else (got,), want_t)
+            if bad is not None:
+                raise NetError(f"its outputs differ from the eager net's: {bad}")
+            runners[name] = fn
+        except Exception as e:   # noqa: BLE001 - the eager module answers instead
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            (log.debug if asked == "auto" else log.warning)(
+                "Net '%s': engine %s cannot run it (%s)", gm.net_name, name, why)
+    if len(runners) == 1:
+        return gm, "eager", {}
+    if asked != "auto":
+        return runners[asked], asked, {}
+    with torch.no_grad():
+        ms = {k: 1e3 * v for k, v in measure({k: (lambda x, f=f: f(x[0])) for k, f in runners.items()},
+                                             [example]).items()}
+    choice = min(ms, key=ms.get)
+    return runners[choice], choice, ms

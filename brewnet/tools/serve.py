@@ -60,6 +60,9 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, help="torch threads per forward (default: the CPUs less "
                    "one, which the HTTP event loop needs, shared among the workers)")
     add_bool(p, "fold", "fold Convolution -> BatchNorm -> Scale chains (faster; float rounding)")
+    p.add_argument("--engine", default=None, metavar="E",
+                   help="auto (timed at start on the largest batch; default, or BREWNET_ENGINE), "
+                        "eager, compiled or onnxruntime")
     add_bool(p, "access_log", "log every request")
     add_gpu_flag(p)
 
@@ -69,6 +72,7 @@ def build(args):
     import torch
 
     from ..deploy import to_torch
+    from ..execution import engines
     from ..net import Net
     from .serving.app import Model
     from .serving.batcher import INLINE_S
@@ -90,20 +94,27 @@ def build(args):
         cpus = len(os.sched_getaffinity(0))
         torch.set_num_threads(args.threads or max(1, (cpus - 1) // args.workers))
     fixed = None if gm.dynamic_batch else shape[0]
+    module, engine = gm, "eager"
+    if device.type == "cpu":
+        example = torch.zeros((fixed or args.max_batch,) + tuple(shape[1:]))
+        module, engine, ms = engines.for_module(gm, engines.engine_name(args.engine, "--engine"), example,
+                                                torch.get_num_threads())
+        if ms:
+            log.info("Net '%s': engine %s (%s)", net.name, engine, engines.describe(ms))
     seconds = []
     with torch.inference_mode():    # the first forwards set oneDNN up: not in a request
         for n in [1] + [fixed or args.max_batch] * 3:
             # this thread's CPU time: a busy machine's preemptions do not count
             t0, c0 = time.perf_counter(), time.thread_time()
-            gm(torch.zeros((n,) + tuple(shape[1:]), device=device))
+            module(torch.zeros((n,) + tuple(shape[1:]), device=device))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds.append(min(time.perf_counter() - t0, time.thread_time() - c0))
     fastest = min(seconds[2:])
     inline = fastest < INLINE_S
-    log.info("Net '%s': a forward of %d takes %.1f ms on %d thread(s)", net.name, fixed or args.max_batch,
-             fastest * 1e3, torch.get_num_threads())
-    model = Model(gm, name, shape[1:], t, dims, labels, args.top_k, net.name)
+    log.info("Net '%s': a forward of %d takes %.1f ms on %d thread(s) (engine %s)", net.name,
+             fixed or args.max_batch, fastest * 1e3, torch.get_num_threads(), engine)
+    model = Model(module, name, shape[1:], t, dims, labels, args.top_k, net.name)
     return model, fixed, device, inline
 
 
