@@ -1,13 +1,15 @@
 """The layers' inference forms (no gradient wanted: one pass, in place where the buffer is
 fresh) against their gradient forms on the same inputs, and the gradient forms still chosen
 whenever an input or a parameter requires grad."""
+import itertools
+
 import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import brewnet.layers.functional as Fn
-from brewnet.layers.common import eltwise_sum
+from brewnet.layers.common import eltwise_max, eltwise_sum
 from brewnet.layers.neuron import prelu
 from helpers import GOLDEN_LAYERS, gradcheck_layer, have, make_layer
 
@@ -40,6 +42,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def same_bits(a, b) -> bool:
     return a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def same_bits_but_nan(a, b) -> bool:
+    """NaN at the same places, the same bits elsewhere (a NaN's bit pattern aside)."""
+    nan = torch.isnan(b)
+    return torch.equal(torch.isnan(a), nan) and torch.equal(bits(a)[~nan], bits(b)[~nan])
 
 
 def with_specials(shape, dtype=torch.float32, seed=0):
@@ -179,7 +187,8 @@ def test_eltwise_same_bits_with_and_without_grad_and_bottoms_untouched(text, n):
     with torch.no_grad():
         y = layer.forward(xs)[0]
     yg = layer.forward([x.clone().requires_grad_() for x in xs])[0]
-    assert same_bits(y, yg)
+    # MAX: other ops than torch.where (see eltwise_max), so a NaN's bit pattern may differ
+    assert (same_bits_but_nan if "MAX" in text else same_bits)(y, yg)
     assert all(same_bits(x, k) for x, k in zip(xs, keep))   # pycaffe: a top never aliases a bottom
     assert y.data_ptr() not in {x.data_ptr() for x in xs}
 
@@ -214,6 +223,33 @@ def test_eltwise_gradients_float64(text, n):
     shape = (2, 3, 4)
     layer = eltwise(text, [shape] * n)
     assert gradcheck_layer(layer, [torch.randn(shape) for _ in range(n)])
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_eltwise_max_inference_form_on_every_special_combination(n):
+    vals = [float("nan"), 0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf")]
+    combos = list(itertools.product(vals, repeat=n))
+    for dtype in (torch.float32, torch.float64):
+        for rep in (1, 9):                       # the scalar path, and the vector body and tail
+            xs = [torch.tensor([c[i] for c in combos] * rep, dtype=dtype) for i in range(n)]
+            with torch.no_grad():
+                y = eltwise_max(xs)
+            want = torch.where(xs[0] > xs[1], xs[0], xs[1])
+            for x in xs[2:]:
+                want = torch.where(x > want, x, want)
+            nan = torch.isnan(want)
+            assert torch.equal(torch.isnan(y), nan)
+            assert torch.equal(y[~nan], want[~nan])              # == : a +-0 tie may differ by sign
+            nz = ~nan & (want != 0)
+            assert torch.equal(bits(y)[nz], bits(want)[nz])
+
+
+def test_eltwise_max_picks_its_form_by_grad():
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    with torch.no_grad():
+        names = ops(eltwise_max, xs)
+    assert "where" not in names and "clamp_min_" in names
+    assert "where" in ops(eltwise_max, [xs[0], xs[1].requires_grad_(), xs[2]])
 
 
 def test_eltwise_prod_in_place_only_without_grad():
