@@ -282,3 +282,26 @@ def test_serve_names_a_bad_engine(tmp_path, capsys):
     Net(str(CIFAR), brewnet.TEST).save(str(weights))
     assert main(["serve", "--model", str(CIFAR), "--weights", str(weights), "--engine", "fastest"]) != 0
     assert "--engine='fastest': expected one of auto, eager, compiled, onnxruntime" in capsys.readouterr().err
+
+
+def test_bf16_runs_from_the_first_call_and_stays_near_fp32():
+    if engines.bf16_refusal():
+        pytest.skip(engines.bf16_refusal())
+    net, eager = twin(CIFAR, None)
+    bf = Net(str(CIFAR), brewnet.TEST, precision="bf16")
+    bf.share_with(net)
+    xs = inputs(net, 3)
+    got, want = outputs(bf, xs), outputs(eager, xs)
+    assert isinstance(bf._lean.engine, engines.Bf16Engine) and bf._lean.calls == 3
+    for g, w in zip(got, want):
+        assert g["prob"].dtype == np.float32
+        assert_close(g, w, engines.RTOL[torch.bfloat16])
+        assert not np.array_equal(g["prob"], w["prob"])        # it did run in bf16
+
+
+def test_bf16_names_what_the_cpu_lacks(monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    with pytest.raises(NetError, match="precision bf16 needs a CPU with AMX or AVX512-BF16"):
+        Net(str(CIFAR), brewnet.TEST, precision="bf16")
+    with pytest.raises(NetError, match=r"^precision='fp16': expected one of fp32, bf16$"):
+        Net(str(CIFAR), brewnet.TEST, precision="fp16")

@@ -25,6 +25,7 @@ from . import engines
 from .cuda_graph import device_refusal
 from .engines import due, pick, rebuild
 from .fast_path import FAILED, FastPath
+from .postops import fuse_postops
 from .process import env_switch
 from .recording import unbox
 
@@ -174,8 +175,8 @@ class LeanForward:
             self._key, self.calls, self.gm, self.spent = key, 0, None, 0.0
         self.calls += 1
         if self.gm is None:
-            if self.calls <= AFTER:
-                return False
+            if self.calls <= AFTER and getattr(net, "precision", "fp32") == "fp32":
+                return False                 # (bf16: the user's opt-in holds from call 1)
             if net._current_input_shapes() != net._input_shapes:
                 net.reshape()
             if self.guard.attempt(self._build) is FAILED:
@@ -270,8 +271,7 @@ class LeanForward:
         self.gm, tracee = self._record()
         if net.device.type == "cpu":        # CPU kernel choices (oneDNN vs im2col)
             choose_kernels(self.gm, self._cl)
-            from .postops import fuse_postops      # conv + activation / add as oneDNN post-ops
-            fuse_postops(self.gm, self._cl)
+            fuse_postops(self.gm, self._cl)    # conv + activation / add as oneDNN post-ops
         nhwc = conv_weights(self.gm) if self._cl else set()
         self.steps = [(i, end, getattr(self.gm, attr), names,
                        [f"{attr}.{n}" in nhwc for n in names])

@@ -33,12 +33,17 @@ class Net(core.Net):
     """pycaffe's ``caffe.Net``: ``Net(prototxt, phase, level=0, stages=(), weights=None)``, and
     the older orders ``Net(prototxt, phase)`` and ``Net(prototxt, weights, phase)``.
     ``engine``: what runs repeated whole forwards of a forward-only net (auto, eager, compiled,
-    onnxruntime: brewnet/execution/engines.py; default ``BREWNET_ENGINE``, else auto)."""
+    onnxruntime: brewnet/execution/engines.py; default ``BREWNET_ENGINE``, else auto).
+    ``precision="bf16"`` (opt-in, ``BREWNET_PRECISION``): those forwards in bfloat16 from the
+    first call, on CPUs with AMX or AVX512-BF16; fp32 (Caffe's numbers) is the default."""
 
-    def __init__(self, *args, engine: str | None = None, **kwargs):
+    def __init__(self, *args, engine: str | None = None, precision: str | None = None, **kwargs):
         self.engine = engines.engine_name(engine)
+        self.precision = engines.precision_name(precision)
         if self.engine == "onnxruntime":
             engines.need_onnxruntime()      # asked for by name: missing is the user's error now
+        if self.precision == "bf16" and engines.bf16_refusal():
+            raise NetError(engines.bf16_refusal())
         super().__init__(*args, **kwargs)
 
     def forward(self, blobs=None, start=None, end=None, **inputs):
