@@ -1,5 +1,6 @@
 """Inference cost of the built-in layers: each layer's forward under ``torch.no_grad`` against the
-formula it used before its inference form (kept here as the reference), at batch 1 and 16.
+same forward with the formula it used before its inference form patched back in (the old
+formulas are kept here as the reference), at batch 1 and 16.
 
     python benchmarks/layer_passes.py [--threads 1] [--repeats 30] [--batches 1,16] [--nchw]
 
@@ -20,17 +21,30 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import brewnet.layers.common as common
+import brewnet.layers.functional as Fn
+import brewnet.layers.neuron as neuron
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import make_layer  # noqa: E402
+
+_new_max_pool2d = Fn.max_pool2d
 
 
 # -- the formulas before the inference forms ---------------------------------------------------
 def prelu_before(x, slope):
-    return torch.where(x > 0, x, x * slope.view((1, -1) + (1,) * (x.dim() - 2)))
+    if slope.dim() == 1:
+        slope = slope.view((1, -1) + (1,) * (x.dim() - 2))
+    return torch.where(x > 0, x, x * slope)
 
 
-def max_pool_before(x, k, s):
-    return F.max_pool2d(x, k, s, 0, ceil_mode=True)
+def max_pool2d_before(x, kernel, stride, pad, ceil_mode=True, return_mask=False):
+    """The old no-mask path where torch's windows are Caffe's: no clamp to -FLT_MAX."""
+    in_hw = tuple(x.shape[-2:])
+    out_hw = Fn.pool_out_shape(in_hw, kernel, stride, pad, ceil_mode)
+    if not return_mask and Fn._native_pool_ok(in_hw, out_hw, kernel, stride, pad, ceil_mode):
+        return F.max_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode), None
+    return _new_max_pool2d(x, kernel, stride, pad, ceil_mode, return_mask)
 
 
 def eltwise_sum_before(xs, coeffs):
@@ -41,10 +55,10 @@ def eltwise_sum_before(xs, coeffs):
     return top
 
 
-def eltwise_prod_before(xs):
-    top = xs[0] * xs[1]
+def eltwise_max_before(xs):
+    top = torch.where(xs[0] > xs[1], xs[0], xs[1])
     for x in xs[2:]:
-        top = top * x
+        top = torch.where(x > top, x, top)
     return top
 
 
@@ -66,34 +80,53 @@ def lrn_within_before(x, size, alpha, beta):
     return x * (1 + alpha * mean).pow(-beta)
 
 
-# -- cases: (name, layer text, bottom shapes at batch n, reference or None) ------------------
+PRELU = [(neuron, "prelu", prelu_before)]
+MAXPOOL = [(Fn, "max_pool2d", max_pool2d_before)]
+SUM = [(common, "eltwise_sum", eltwise_sum_before)]
+PROD = [(Fn, "grad_needed", lambda *ts: True)]        # the old, out-of-place chain
+MAX = [(common, "eltwise_max", eltwise_max_before)]
+LRN = [(Fn, "lrn_across_channels", lrn_across_before), (Fn, "lrn_within_channel", lrn_within_before)]
+
+
+def patched(patches, fn):
+    """``fn`` run with the old formulas in place of the new ones."""
+    def run():
+        saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
+        for m, name, old in patches:
+            setattr(m, name, old)
+        try:
+            return fn()
+        finally:
+            for m, name, new in saved:
+                setattr(m, name, new)
+    return run
+
+
+# -- cases: (name, layer text, bottom shapes at batch n, the old formulas or None) --------------
 def cases(n: int):
     s = (n, 32, 56, 56)
     return [
         ("ReLU slope 0.1", 'type: "ReLU" relu_param { negative_slope: 0.1 }', [s], None),
-        ("PReLU", 'type: "PReLU"', [s], lambda l, xs: prelu_before(xs[0], l.blobs[0])),
-        ("PReLU (MTCNN det3 conv1)", 'type: "PReLU"', [(n, 32, 46, 46)],
-         lambda l, xs: prelu_before(xs[0], l.blobs[0])),
+        ("PReLU", 'type: "PReLU"', [s], PRELU),
+        ("PReLU (MTCNN det3 conv1)", 'type: "PReLU"', [(n, 32, 46, 46)], PRELU),
         ("MAX pool 3x3 s2", 'type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }',
-         [s], lambda l, xs: max_pool_before(xs[0], 3, 2)),
+         [s], MAXPOOL),
         ("MAX pool 2x2 s2", 'type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }',
-         [s], lambda l, xs: max_pool_before(xs[0], 2, 2)),
-        ("Eltwise SUM coeff 1,-1", 'type: "Eltwise" eltwise_param { coeff: 1 coeff: -1 }', [s, s],
-         lambda l, xs: eltwise_sum_before(xs, [1.0, -1.0])),
+         [s], MAXPOOL),
+        ("Eltwise SUM coeff 1,-1", 'type: "Eltwise" eltwise_param { coeff: 1 coeff: -1 }', [s, s], SUM),
         ("Eltwise SUM coeff .5,2,3", 'type: "Eltwise" eltwise_param { coeff: 0.5 coeff: 2 coeff: 3 }',
-         [s, s, s], lambda l, xs: eltwise_sum_before(xs, [0.5, 2.0, 3.0])),
+         [s, s, s], SUM),
         ("Eltwise SUM", 'type: "Eltwise"', [s, s], None),
-        ("Eltwise PROD x3", 'type: "Eltwise" eltwise_param { operation: PROD }', [s, s, s],
-         lambda l, xs: eltwise_prod_before(xs)),
-        ("Eltwise MAX", 'type: "Eltwise" eltwise_param { operation: MAX }', [s, s], None),
+        ("Eltwise PROD x3", 'type: "Eltwise" eltwise_param { operation: PROD }', [s, s, s], PROD),
+        ("Eltwise MAX", 'type: "Eltwise" eltwise_param { operation: MAX }', [s, s], MAX),
+        ("Eltwise MAX x3", 'type: "Eltwise" eltwise_param { operation: MAX }', [s, s, s], MAX),
         ("Scale + bias", 'type: "Scale" scale_param { bias_term: true }', [s], None),
         ("Bias", 'type: "Bias"', [s], None),
         ("Concat", 'type: "Concat"', [s, s], None),
         ("Softmax (axis 1)", 'type: "Softmax"', [s], None),
-        ("LRN across 5", 'type: "LRN" lrn_param { local_size: 5 alpha: 1e-4 beta: 0.75 }', [s],
-         lambda l, xs: lrn_across_before(xs[0], 5, 1e-4, 0.75, 1.0)),
+        ("LRN across 5", 'type: "LRN" lrn_param { local_size: 5 alpha: 1e-4 beta: 0.75 }', [s], LRN),
         ("LRN within 5", 'type: "LRN" lrn_param { local_size: 5 alpha: 1e-4 beta: 0.75 '
-         'norm_region: WITHIN_CHANNEL }', [s], lambda l, xs: lrn_within_before(xs[0], 5, 1e-4, 0.75)),
+         'norm_region: WITHIN_CHANNEL }', [s], LRN),
         ("Deconv 4x4 s2 group=C", 'type: "Deconvolution" convolution_param { num_output: 32 '
          'kernel_size: 4 stride: 2 pad: 1 group: 32 bias_term: false weight_filler { type: '
          '"bilinear" } }', [(n, 32, 28, 28)], None),
@@ -130,11 +163,12 @@ def main(argv=None) -> None:
                 xs = [x.contiguous(memory_format=torch.channels_last) for x in xs]
             variants = {"after": lambda: layer.forward(xs)}
             if before is not None:
-                variants["before"] = lambda: before(layer, xs)
+                variants["before"] = patched(before, variants["after"])
             times = {k: [] for k in variants}
             with torch.no_grad():
-                for f in variants.values():   # warm-up
-                    f()
+                outs = [f() for f in variants.values()]     # warm-up, and the same numbers
+                for a, b in zip(outs[0], outs[-1]):
+                    torch.testing.assert_close(a, b)
                 for _ in range(args.repeats):
                     for k, f in variants.items():
                         t = time.perf_counter()
