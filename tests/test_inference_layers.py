@@ -262,13 +262,19 @@ def test_eltwise_prod_in_place_only_without_grad():
 
 
 # -- LRN ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("region", ["ACROSS_CHANNELS", "WITHIN_CHANNEL"])
+@pytest.mark.parametrize("region,size", [("ACROSS_CHANNELS", 1), ("ACROSS_CHANNELS", 3),
+                                         ("ACROSS_CHANNELS", 5), ("ACROSS_CHANNELS", 9),
+                                         ("WITHIN_CHANNEL", 3)])
 @pytest.mark.parametrize("nhwc", [False, True])
-def test_lrn_same_bits_with_and_without_grad(region, nhwc):
-    shape = (2, 7, 6, 5)
-    layer, _ = make_layer(f'name: "l" type: "LRN" bottom: "x" top: "y" lrn_param {{ local_size: 3 '
-                          f'alpha: 0.01 beta: 0.75 k: 2 norm_region: {region} }}', [shape])
-    x = torch.randn(shape)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lrn_same_bits_with_and_without_grad(region, size, nhwc, dtype):
+    # ACROSS: the channel window sums as shifted slices without a gradient, the pooling kernel's
+    # order and division (so the same bits), pooling with one; 37 channels and 6 x 7 planes: the
+    # kernels' vector bodies and tails in both layouts
+    shape = (2, 37, 6, 7)
+    layer, _ = make_layer(f'name: "l" type: "LRN" bottom: "x" top: "y" lrn_param {{ local_size: '
+                          f'{size} alpha: 0.01 beta: 0.75 k: 2 norm_region: {region} }}', [shape])
+    x = torch.randn(shape, dtype=dtype) * 10
     if nhwc:
         x = x.contiguous(memory_format=torch.channels_last)
     keep = x.clone()
@@ -276,10 +282,11 @@ def test_lrn_same_bits_with_and_without_grad(region, nhwc):
         names = ops(layer.forward, [x])
         y = layer.forward([x])[0]
     assert "pow_" in names
+    assert ("avg_pool2d" in names) == (region == "WITHIN_CHANNEL")
     xg = x.clone().requires_grad_()
     names = ops(layer.forward, [xg])
     yg = layer.forward([xg])[0]
-    assert "pow_" not in names and "pow" in names
+    assert "pow_" not in names and "pow" in names and "avg_pool2d" in names
     assert same_bits(y, yg) and y.stride() == yg.stride() and same_bits(x, keep)
 
 
@@ -306,3 +313,42 @@ def test_depthwise_convolution_is_one_kernel_without_grad():
     with torch.no_grad():
         names = ops(layer.forward, [x])
     assert [n for n in names if "conv" in n] == ["convolution"] and "copy_" not in names
+
+
+# -- the golden cases of the layers with inference forms, without a gradient ------------------
+INFERENCE_TYPES = {"PReLU", "Eltwise", "LRN", "Pooling"}
+
+
+def golden_cases():
+    import json
+
+    index = GOLDEN_LAYERS / "index.json"
+    if not have(index):
+        return []
+    return [c for c in json.loads(index.read_text())["cases"] if c["type"] in INFERENCE_TYPES]
+
+
+@pytest.mark.parametrize("case", golden_cases(), ids=lambda c: c["file"][:-4])
+def test_golden_cases_without_grad(case):
+    # The golden test runs these nets with force_backward, i.e. the gradient forms.
+    import json
+
+    from brewnet import Net
+    from brewnet.proto import caffe_pb2 as pb
+    from test_golden_layers import tolerances
+
+    z = np.load(GOLDEN_LAYERS / case["file"], allow_pickle=False)
+    meta = json.loads(str(z["meta"]))
+    net = Net(str(z["prototxt"]), pb.TRAIN if meta["phase"] == "TRAIN" else pb.TEST)
+    layer = net.layer_by_name["test"]
+    with torch.no_grad():
+        for i in range(meta["num_params"]):
+            layer.blobs[i].copy_(torch.from_numpy(z[f"param/{i}"]))
+    bottoms = [torch.from_numpy(z[f"bottom/{b}"]) for b in meta["bottoms"]]
+    with torch.no_grad():
+        tops = layer.forward(bottoms)
+    grad_tops = layer.forward([b.clone().requires_grad_() for b in bottoms])
+    for name, y, yg in zip(meta["tops"], tops, grad_tops):
+        assert (same_bits_but_nan if case["type"] == "Eltwise" else same_bits)(y, yg)
+        limits = dict(rtol=0, atol=0) if name == "mask" else tolerances(case["type"], "top")
+        np.testing.assert_allclose(y.numpy(), z[f"top/{name}"], **limits)
