@@ -53,12 +53,19 @@ VARIANTS = {"off": None, "on": {}, "unary": dict(binary=False, lone=False),
 _REAL = postops.fuse_postops
 
 
+def patch(fn) -> None:
+    """The pass lean.py runs (its module-level name, and the module's for a late import)."""
+    postops.fuse_postops = fn
+    if hasattr(lean, "fuse_postops"):
+        lean.fuse_postops = fn
+
+
 def build(name: str, batch: int, variant: str, like=None):
     """The net at ``batch`` on the lean graph built with ``variant``'s pass (weights copied
     from ``like``)."""
     proto, weights = NETS[name]
     kw = VARIANTS[variant]
-    postops.fuse_postops = (lambda *a, **k: 0) if kw is None else functools.partial(_REAL, **kw)
+    patch((lambda *a, **k: 0) if kw is None else functools.partial(_REAL, **kw))
     try:
         brewnet.set_random_seed(0)
         net = brewnet.Net(str(proto), brewnet.TEST, weights=str(weights) if weights else None)
@@ -78,7 +85,7 @@ def build(name: str, batch: int, variant: str, like=None):
             out = net.forward(**{feed: x})
         assert net._lean.gm is not None, f"{name}: no lean graph"
     finally:
-        postops.fuse_postops = _REAL
+        patch(_REAL)
     return net, (lambda: net.forward(**{feed: x})), {k: v.copy() for k, v in out.items()}
 
 

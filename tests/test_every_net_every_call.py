@@ -261,12 +261,13 @@ def feed(net, batch: int, size: int, seed: int) -> None:
 
 def rechosen(gm) -> list[str]:
     """The nodes where the lean graph runs another kernel than the eager path: torch's im2col
-    convolution (``lean.small_conv``), BLAS for an inner product the eager path gives oneDNN."""
+    convolution (``lean.small_conv``), BLAS for an inner product the eager path gives oneDNN, a
+    convolution with oneDNN post-ops (execution/postops.py: may run another oneDNN algorithm)."""
     out = []
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        if n.target is lean.small_conv:
+        if n.target is lean.small_conv or str(n.target).startswith("mkldnn._convolution_pointwise"):
             out.append(n.name)
         elif n.target in (torch.addmm, torch.mm, torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
             t = n.args[-1]
