@@ -1,0 +1,262 @@
+"""Inference over a corpus of published deploy nets: brewnet against the runtimes its users have.
+
+    python benchmarks/zoo.py [--nets a,b] [--batches 1,16] [--reps 9] [--budget 4] [--compiled]
+                             [--json out.json] [--from out.json]
+
+The corpus is benchmarks/zoo/corpus.py (each net's provenance: benchmarks/zoo/SOURCES.md, and
+../shared/caffe-models/SOURCES.txt for the shared ones). Each (net, batch) runs in its own
+process (memory is freed between nets; a crash costs one row). Weights: random, drawn to compute
+what a trained net would (tests/test_every_net_every_call.py's ``realistic``), written to a
+caffemodel so that every runtime runs the same weights on the same input. Runtimes, timed one
+call each in turn (the order rotated each round) after their warm-up: "brewnet": a pycaffe Net
+at the user's defaults (engine auto; warmed until it has picked its engine, which the engine
+cache remembers from an earlier run: run the benchmark twice on a new machine); "eager" and
+"ort-engine" (and "compiled" with --compiled): the engines by name; "opencv": OpenCV's dnn on
+the prototxt and caffemodel; "ort": ONNX Runtime on ``brewnet export``'s file (its defaults).
+Columns: median ms per call; "vs best peer": brewnet / min(opencv, ort); "engine" the one
+brewnet ended on; "%peak": for nets over 1 GFLOP an image, brewnet's GFLOP/s over this
+machine's fp32 matrix-multiply rate (torch.mm 2048^2, measured in the same run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+PEERS = ("opencv", "ort")
+
+
+def corpus():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "zoo"))
+    import corpus as c
+
+    return c
+
+
+def mm_peak() -> float:
+    """GFLOP/s of torch.mm on 2048 x 2048 fp32 (the better of torch's thread counts here)."""
+    import torch
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    best = 0.0
+    for _ in range(7):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * 2048 ** 3 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def net_flops(net) -> float:
+    return float(sum(layer.flops([net.shapes[b] for b in bottoms], [net.shapes[t] for t in tops])
+                     for layer, bottoms, tops in zip(net.layer_list, net.bottom_lists, net.top_lists)))
+
+
+def prepare(entry, batch: int, folder: Path):
+    """The calibrated pycaffe Net at ``batch`` with its input, and its caffemodel on disk."""
+    import brewnet
+    from test_every_net_every_call import feed, realistic
+
+    c = corpus()
+    path = c.resolve(entry, ROOT)
+    brewnet.set_random_seed(0)
+    net = brewnet.Net(str(path), brewnet.TEST)
+    if entry.get("input_shape"):
+        name = net.inputs[0]
+        net.blobs[name].reshape(1, *entry["input_shape"])
+        net.reshape()
+    side = max(net.blobs[net.inputs[0]].data.shape[2:] or (1,))
+    realistic(net, 0, 1 if side >= 400 else 4, 0)
+    feed(net, batch, 0, 1)
+    weights = folder / "w.caffemodel"
+    net.save(str(weights))
+    xs = {n: net.blobs[n].data.copy() for n in net.inputs}
+    return path, weights, xs, net
+
+
+def warm_brewnet(net, xs, cap_s: float = 90.0):
+    """Call until the net has picked its engine (or ``cap_s``): the steady state a user reaches."""
+    t_end = time.perf_counter() + cap_s
+    while True:
+        net.forward(**xs)
+        lean = net._lean
+        if (lean._picked or lean.guard.off) and lean.calls > 12 or time.perf_counter() > t_end:
+            return
+
+
+def engine_of(net) -> str:
+    lean = net._lean
+    if lean.engine is not None:
+        return lean.engine.name
+    return "eager" if lean.gm is not None else "eager-plain"
+
+
+def one(name: str, batch: int, reps: int, budget: float, compiled: bool) -> dict:
+    import cv2
+    import onnxruntime as ort
+    import torch
+
+    import brewnet
+    from brewnet.deploy import export_onnx, to_torch
+    from brewnet.pycaffe import Net
+
+    entry = next(e for e in corpus().NETS if e["name"] == name)
+    folder = Path(tempfile.mkdtemp(prefix="zoo-"))
+    path, weights, xs, core = prepare(entry, batch, folder)
+    flops = net_flops(core) / batch
+    row = {"name": name, "batch": batch, "category": entry.get("category", ""),
+           "gflop": flops / 1e9, "ms": {}, "why": {}}
+    runners = {}
+    nets = {}
+    for label, engine in [("brewnet", None), ("eager", "eager"), ("ort-engine", "onnxruntime")] + (
+            [("compiled", "compiled")] if compiled else []):
+        net = Net(str(path), brewnet.TEST, weights=str(weights), engine=engine)
+        for n, x in xs.items():
+            net.blobs[n].reshape(*x.shape)
+        net.reshape()
+        nets[label] = net
+        runners[label] = (lambda net=net: net.forward(**xs))
+    del core
+    try:
+        cvn = cv2.dnn.readNetFromCaffe(str(path), str(weights))
+
+        def cv_run():
+            for n, x in xs.items():
+                cvn.setInput(x, n)
+            return cvn.forward()
+        cv_run()
+        runners["opencv"] = cv_run
+    except cv2.error as e:
+        row["why"]["opencv"] = str(e).strip().splitlines()[-1][:160]
+    try:
+        onnx_file = folder / "net.onnx"
+        gm = to_torch(nets["eager"], dynamic_batch=True)
+        export_onnx(gm, onnx_file)
+        sess = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+        feed = {i.name: xs[i.name] for i in sess.get_inputs()}
+        runners["ort"] = lambda: sess.run(None, feed)
+        runners["ort"]()
+    except Exception as e:  # noqa: BLE001 - a row says why a peer could not run the net
+        row["why"]["ort"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    warm_brewnet(nets["brewnet"], xs)
+    for label in ("eager", "ort-engine", "compiled"):
+        if label in nets:
+            for _ in range(lean_after() + 2):
+                nets[label].forward(**xs)
+            if label != "eager" and nets[label]._lean.engine is None:
+                row["why"][label] = "engine did not take the net"
+                runners.pop(label)
+    times = {k: [] for k in runners}
+    order = list(runners)
+    t_end = time.perf_counter() + budget
+    for r in range(reps):
+        for k in order[r % len(order):] + order[:r % len(order)]:
+            t0 = time.perf_counter()
+            runners[k]()
+            times[k].append(1e3 * (time.perf_counter() - t0))
+        if r >= 2 and time.perf_counter() > t_end:
+            break
+    row["ms"] = {k: statistics.median(v) for k, v in times.items()}
+    row["engine"] = engine_of(nets["brewnet"])
+    row["threads"] = torch.get_num_threads()
+    return row
+
+
+def lean_after() -> int:
+    from brewnet.execution import lean
+
+    return lean.AFTER
+
+
+def ratio(row) -> float | None:
+    peers = [row["ms"][p] for p in PEERS if p in row["ms"]]
+    return row["ms"]["brewnet"] / min(peers) if peers and "brewnet" in row["ms"] else None
+
+
+def table(rows, peak: float) -> None:
+    cols = ["brewnet", "eager", "ort-engine", "compiled", "opencv", "ort"]
+    cols = [c for c in cols if any(c in r["ms"] for r in rows)]
+    print(f"\nfp32 matrix-multiply peak (torch.mm 2048^2): {peak:.0f} GFLOP/s")
+    head = f"{'net':24} {'b':>3} {'GFLOP':>7} " + " ".join(f"{c:>10}" for c in cols)
+    print(head + f" {'vs best peer':>12} {'engine':>12} {'%peak':>6}")
+    for r in rows:
+        ms = " ".join(f"{r['ms'][c]:10.3f}" if c in r["ms"] else f"{'-':>10}" for c in cols)
+        q = ratio(r)
+        pk = ""
+        if r["gflop"] > 1 and "brewnet" in r["ms"]:
+            pk = f"{100 * r['gflop'] * r['batch'] / (r['ms']['brewnet'] / 1e3) / peak:5.0f}%"
+        print(f"{r['name'][:24]:24} {r['batch']:3d} {r['gflop']:7.2f} {ms} "
+              f"{(f'{q:.2f}x' if q else '-'):>12} {r.get('engine', '-'):>12} {pk:>6}")
+    for b in sorted({r["batch"] for r in rows}):
+        qs = sorted(q for r in rows if r["batch"] == b and (q := ratio(r)) is not None)
+        if qs:
+            p90 = qs[min(len(qs) - 1, int(0.9 * len(qs)))]
+            print(f"batch {b}: brewnet / best peer over {len(qs)} nets: median {statistics.median(qs):.2f}x, "
+                  f"p90 {p90:.2f}x, worst {qs[-1]:.2f}x, at or under 1.0x: {sum(q <= 1.0 for q in qs)}")
+    for r in rows:
+        for k, why in r.get("why", {}).items():
+            print(f"  {r['name']} b{r['batch']}: {k}: {why}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nets", default="", help="names (substrings), separated by ','")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--budget", type=float, default=4.0, help="seconds of timing per row at most")
+    p.add_argument("--compiled", action="store_true", help="also time engine='compiled'")
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--from", dest="from_", help="print the table of an earlier --json")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.one:
+        print("ROW " + json.dumps(one(a.one, a.batch, a.reps, a.budget, a.compiled)), flush=True)
+        return
+    if a.from_:
+        data = json.loads(Path(a.from_).read_text())
+        table(data["rows"], data["peak"])
+        return
+    c = corpus()
+    want = [s for s in a.nets.split(",") if s]
+    entries = [e for e in c.NETS if c.available(e, ROOT) and (not want or any(w in e["name"] for w in want))]
+    peak = mm_peak()
+    rows = []
+    for e in entries:
+        for b in [int(x) for x in a.batches.split(",")]:
+            cmd = [sys.executable, __file__, "--one", e["name"], "--batch", str(b), "--reps", str(a.reps),
+                   "--budget", str(a.budget)] + (["--compiled"] if a.compiled else [])
+            t0 = time.perf_counter()
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                                     env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                line = next((x for x in res.stdout.splitlines() if x.startswith("ROW ")), None)
+                why = None if line else (res.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            except subprocess.TimeoutExpired:
+                line, why = None, "timed out (900 s)"
+            if line:
+                rows.append(json.loads(line[4:]))
+                r = rows[-1]
+                print(f"{e['name']} b{b}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["ms"].items())
+                      + f" ms [{r['engine']}] ({time.perf_counter() - t0:.0f} s)", flush=True)
+            else:
+                print(f"{e['name']} b{b}: FAILED: {why}", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"peak": peak, "rows": rows}, indent=1))
+    table(rows, peak)
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()
