@@ -142,7 +142,7 @@ def test_auto_measures_once_then_takes_the_cached_choice(cache, monkeypatch, cap
     assert timed == [1]
     entries = json.loads(cache.path.read_text())["choices"]
     (entry,) = entries.values()
-    assert set(entry["ms"]) == {"eager", "onnxruntime"} and entry["engine"] in entry["ms"]
+    assert set(entry["ms"]) == {"eager", "onnxruntime", "opencv"} and entry["engine"] in entry["ms"]
     again = Net(str(CIFAR), brewnet.TEST)
     again.share_with(net)
     with caplog.at_level(logging.INFO, logger="brewnet"):
@@ -215,6 +215,7 @@ def test_an_engine_that_cannot_take_the_net_is_skipped_quietly_by_auto(cache, mo
 
     monkeypatch.setattr(engines, "AUTO_AFTER_S", 0.0)
     monkeypatch.setitem(engines.BUILDERS, "onnxruntime", refuse)
+    monkeypatch.setitem(engines.BUILDERS, "opencv", refuse)
     net, eager = twin(CIFAR, None)
     xs = inputs(net)
     with caplog.at_level(logging.DEBUG, logger="brewnet"):
@@ -229,14 +230,14 @@ def test_onnxruntime_asked_for_without_it_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
     with pytest.raises(NetError, match=r"pip install 'brewnet\[onnx\]'"):
         Net(str(CIFAR), brewnet.TEST, engine="onnxruntime")
-    net = Net(str(CIFAR), brewnet.TEST)                  # auto: eager only, no error
-    assert engines.candidates(net.engine) == ["eager"]
+    net = Net(str(CIFAR), brewnet.TEST)                  # auto: without it, no error
+    assert "onnxruntime" not in engines.candidates(net.engine)
     outputs(net, inputs(net))
     assert net._lean.engine is None
 
 
 def test_a_bad_engine_name_is_one_line(monkeypatch):
-    with pytest.raises(NetError, match=r"^engine='fast': expected one of auto, eager, compiled, onnxruntime$"):
+    with pytest.raises(NetError, match=r"^engine='fast': expected one of auto, eager, compiled, onnxruntime, opencv$"):
         Net(str(CIFAR), brewnet.TEST, engine="fast")
     monkeypatch.setenv("BREWNET_ENGINE", "ort")
     with pytest.raises(NetError, match=r"^BREWNET_ENGINE='ort'"):
@@ -281,7 +282,7 @@ def test_serve_names_a_bad_engine(tmp_path, capsys):
     weights = tmp_path / "w.caffemodel"
     Net(str(CIFAR), brewnet.TEST).save(str(weights))
     assert main(["serve", "--model", str(CIFAR), "--weights", str(weights), "--engine", "fastest"]) != 0
-    assert "--engine='fastest': expected one of auto, eager, compiled, onnxruntime" in capsys.readouterr().err
+    assert "--engine='fastest': expected one of auto, eager, compiled, onnxruntime, opencv" in capsys.readouterr().err
 
 
 def test_bf16_runs_from_the_first_call_and_stays_near_fp32():
@@ -305,3 +306,35 @@ def test_bf16_names_what_the_cpu_lacks(monkeypatch):
         Net(str(CIFAR), brewnet.TEST, precision="bf16")
     with pytest.raises(NetError, match=r"^precision='fp16': expected one of fp32, bf16$"):
         Net(str(CIFAR), brewnet.TEST, precision="fp16")
+
+
+@pytest.mark.parametrize("path", [CIFAR, LENET], ids=["cifar10_quick", "lenet"])
+def test_opencv_engine_gives_the_eager_outputs(path):
+    net, eager = twin(path, "opencv", batch=4)
+    xs = inputs(net)
+    got, want = outputs(net, xs), outputs(eager, xs)
+    assert isinstance(net._lean.engine, engines.OpenCVEngine)
+    for g, w in zip(got, want):
+        assert_close(g, w, engines.RTOL[torch.float32])
+
+
+AXPY = """name: "se_gate"
+layer { name: "a" type: "Input" top: "a" input_param { shape { dim: 1 dim: 4 dim: 1 dim: 1 } } }
+layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 1 dim: 4 dim: 3 dim: 3 } } }
+layer { name: "y" type: "Input" top: "y" input_param { shape { dim: 1 dim: 4 dim: 3 dim: 3 } } }
+layer { name: "axpy" type: "Axpy" bottom: "a" bottom: "x" bottom: "y" top: "out" }
+"""
+
+
+def test_an_engine_that_computes_another_thing_is_refused(caplog):
+    """OpenCV 4's Axpy computes a*y + x where the SENet fork (and brewnet) compute a*x + y: the
+    output check refuses the engine, and the eager net answers."""
+    net = Net(AXPY, brewnet.TEST, engine="opencv")
+    rng = np.random.default_rng(0)
+    feed = {n: rng.standard_normal(net.blobs[n].data.shape).astype(np.float32) for n in net.inputs}
+    with caplog.at_level(logging.WARNING, logger="brewnet"):
+        for _ in range(CALLS):
+            out = net.forward(**feed)["out"]
+    assert net._lean.engine is None
+    assert "engine opencv cannot run it (NetError: its outputs differ from the eager net's" in caplog.text
+    np.testing.assert_allclose(out, feed["a"] * feed["x"] + feed["y"], rtol=1e-6)

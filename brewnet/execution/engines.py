@@ -24,7 +24,7 @@ from ..errors import NetError
 from . import engine_cache
 
 log = logging.getLogger("brewnet")
-ENGINES = ("auto", "eager", "compiled", "onnxruntime")
+ENGINES = ("auto", "eager", "compiled", "onnxruntime", "opencv")
 PRECISIONS = ("fp32", "bf16")
 MEASURE_S = 2.0       # auto: the timing of the candidates on one input shape stops after this
 ROUNDS = (2, 7)       # auto: timed calls per candidate, at least and at most (alternating)
@@ -154,6 +154,37 @@ class CompiledEngine:
         return out if isinstance(out, tuple) else (out,)
 
 
+class OpenCVEngine:
+    """OpenCV's dnn on the net's prototxt and current weights (the runtime many Caffe users
+    deploy with; an independent importer: a net it reads otherwise fails the output check)."""
+
+    name = "opencv"
+
+    def __init__(self, net, threads: int):
+        import tempfile
+
+        import cv2
+        from google.protobuf import text_format
+
+        self.net, self.state = net, weights_state(net)
+        with tempfile.TemporaryDirectory(prefix="brewnet-opencv-") as d:
+            proto, model = os.path.join(d, "net.prototxt"), os.path.join(d, "net.caffemodel")
+            with open(proto, "w", encoding="utf-8") as f:
+                f.write(text_format.MessageToString(net.param))
+            net.save(model)
+            self.cv = cv2.dnn.readNetFromCaffe(proto, model)
+        cv2.setNumThreads(threads)
+        # OpenCV names outputs by layer: the last layer writing each output blob
+        producer = {t: layer.name for layer, tops in zip(net.layer_list, net.top_lists) for t in tops}
+        self.layers = [producer[n] for n in net.outputs]
+        self.inputs = list(net.inputs)
+
+    def __call__(self, xs):
+        for name, x in zip(self.inputs, xs):
+            self.cv.setInput(x.detach().contiguous().numpy(), name)
+        return tuple(torch.from_numpy(a) for a in self.cv.forward(self.layers))
+
+
 class Bf16Engine:
     """The folded graph in bfloat16 throughout, channels-last (``precision="bf16"``): oneDNN's
     AMX / AVX512-BF16 kernels; the outputs returned as float32. (Measured against autocast,
@@ -184,18 +215,21 @@ def bf16_refusal() -> str | None:
     return None
 
 
-BUILDERS = {"onnxruntime": OnnxRuntimeEngine, "compiled": CompiledEngine, "bf16": Bf16Engine}
+BUILDERS = {"onnxruntime": OnnxRuntimeEngine, "opencv": OpenCVEngine, "compiled": CompiledEngine,
+            "bf16": Bf16Engine}
 
 
 def candidates(asked: str) -> list[str]:
     if asked != "auto":
         return [asked]
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        log.debug("engine auto: ONNX Runtime is not installed (pip install 'brewnet[onnx]')")
-        return ["eager"]
-    return ["eager", "onnxruntime"]
+    names = ["eager"]
+    for name, module in (("onnxruntime", "onnxruntime"), ("opencv", "cv2")):
+        try:
+            __import__(module)
+            names.append(name)
+        except ImportError:
+            log.debug("engine auto: %s is not installed", module)
+    return names
 
 
 def within(got, want, dtype=torch.float32) -> str | None:
@@ -352,13 +386,16 @@ def for_module(gm, asked: str, example: torch.Tensor, threads: int):
 
     if asked == "eager":
         return gm, "eager", {}
+    if asked == "opencv":
+        raise NetError("engine opencv reads a prototxt: this path runs to_torch's module (auto, "
+                       "eager, compiled or onnxruntime)")
     with torch.no_grad():
         want = gm(example)
     want_t = want if isinstance(want, tuple) else (want,)
     runners = {"eager": gm}
     folder = tempfile.mkdtemp(prefix="brewnet-engine-")
     for name in candidates(asked):
-        if name == "eager":
+        if name in ("eager", "opencv"):
             continue
         try:
             if name == "onnxruntime":

@@ -36,9 +36,9 @@ def add_arguments(p) -> None:
                    help="number of timed passes (default 50)")
     p.add_argument("--phase", "-phase", default="TRAIN", choices=["TRAIN", "TEST"],
                    help="network phase (default TRAIN)")
-    p.add_argument("--engines", nargs="?", const="eager,onnxruntime,compiled", metavar="A,B",
+    p.add_argument("--engines", nargs="?", const="eager,onnxruntime,opencv,compiled", metavar="A,B",
                    help="time whole forwards of a deploy net on each inference engine instead "
-                        "(default: eager,onnxruntime,compiled) and say which auto picks")
+                        "(default: eager,onnxruntime,opencv,compiled) and say which auto picks")
     p.add_argument("--weights", "-weights", metavar="W", help="with --engines: trained weights")
     add_gpu_flag(p)
     add_net_state_flags(p)
@@ -125,7 +125,7 @@ def run_engines(args) -> int:
     try:
         names = [engines.engine_name(n.strip(), "--engines") for n in args.engines.split(",") if n.strip()]
         if "auto" in names or not names:
-            raise CLIError("--engines lists engines to time: eager, onnxruntime, compiled")
+            raise CLIError("--engines lists engines to time: eager, onnxruntime, opencv, compiled")
         if "eager" not in names:
             names.insert(0, "eager")
         ms = time_engines(args.model, names, args.iterations, args.weights, args.level, stages(args.stage))
