@@ -158,6 +158,16 @@ def test_max_pool_windows_of_minus_inf_give_minus_flt_max_in_both_forms(kernel, 
     assert same_bits(y, ym) and (m[0, 0] == -1).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_max_pool_in_half_precision(dtype):
+    # -FLT_MAX does not fit: the bound is -inf there, so nothing is clamped (and nothing fails)
+    x = torch.full((1, 1, 4, 4), float("-inf"), dtype=dtype)
+    x[0, 0, 0, 0] = 1.0
+    with torch.no_grad():
+        y, _ = Fn.max_pool2d(x, (2, 2), (2, 2), (0, 0))
+    assert y.dtype == dtype and y.view(-1).tolist() == [1.0] + [float("-inf")] * 3
+
+
 def test_max_pool_clamps_in_place_only_without_grad():
     x = torch.randn(1, 2, 6, 6)
     with torch.no_grad():

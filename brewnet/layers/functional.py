@@ -109,6 +109,8 @@ def _clamp_flt_max(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     of -inf only. Never skipped: knowing the input holds no -inf would cost a read of the input,
     more than this pass over the (smaller) output. In place without a gradient (``y`` is fresh):
     no new allocation, the same bits."""
+    if torch.finfo(y.dtype).max < FLT_MAX:
+        return y                   # half, bfloat16: -FLT_MAX rounds to -inf, nothing to clamp
     if torch.compiler.is_compiling():
         # A traced graph may be cast later (to_torch(...).half()): a tensor bound is cast with it
         # (to -inf in half: nothing to clamp) where a Python float would overflow the op.
