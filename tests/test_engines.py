@@ -156,7 +156,7 @@ def test_auto_measures_once_then_takes_the_cached_choice(cache, monkeypatch, cap
 def test_a_cached_choice_is_taken_at_the_lean_call_at_the_defaults(cache):
     net, eager = twin(CIFAR, None)
     xs = inputs(net)
-    key = engine_cache.choice_key(net, [net.blobs["data"].data.shape], torch.get_num_threads(), "fp32")
+    key = engine_cache.choice_key(net, [net.blobs["data"].data.shape], engines.cores(), "fp32")
     cache.put(key, "onnxruntime", {"eager": 2.0, "onnxruntime": 1.0})
     got, want = outputs(net, xs), outputs(eager, xs)
     assert isinstance(net._lean.engine, engines.OnnxRuntimeEngine)

@@ -275,6 +275,13 @@ def _build(name: str, net, threads: int, xs, want):
     return runner
 
 
+def cores() -> int:
+    """The cores this process may use (the cache key: not the thread count the tuner is trying)."""
+    from .threads import ceiling, user_threads
+
+    return user_threads() or ceiling()
+
+
 def due(lean, xs) -> bool:
     """Whether to pick the engine now: at once when one is named or the cache knows the
     choice; for ``auto`` otherwise once the net has spent ``AUTO_AFTER_S`` in whole forwards on
@@ -285,7 +292,7 @@ def due(lean, xs) -> bool:
             or getattr(net, "precision", "fp32") != "fp32"):
         return True
     if lean.cached is None:
-        key = engine_cache.choice_key(net, [tuple(x.shape) for x in xs], torch.get_num_threads(), "fp32")
+        key = engine_cache.choice_key(net, [tuple(x.shape) for x in xs], cores(), "fp32")
         lean.cached = (key, engine_cache.ChoiceCache().get(key))
     return lean.cached[1] is not None or lean.spent >= AUTO_AFTER_S
 
@@ -299,11 +306,11 @@ def pick(lean, xs):
         asked = "bf16"                       # the user's opt-in: no other engine keeps it
     elif asked == "eager" or net.device.type != "cpu":
         return None
-    threads = torch.get_num_threads()
+    threads = cores()          # other runtimes' own thread pools: the process's cores
     names, key, hit = candidates(asked), None, None
     if asked == "auto" and names != ["eager"]:
         key, hit = lean.cached if lean.cached is not None else (None, None)
-        key = key or engine_cache.choice_key(net, [tuple(x.shape) for x in xs], threads, "fp32")
+        key = key or engine_cache.choice_key(net, [tuple(x.shape) for x in xs], cores(), "fp32")
         if hit is not None:
             log.info("Net '%s': engine %s (measured before: %s)", net.name, hit["engine"], describe(hit["ms"]))
             if hit["engine"] == "eager":
@@ -342,7 +349,7 @@ def rebuild(lean, runner, xs):
     with torch.no_grad():
         want = lean._bound_call(xs)
     try:
-        return _build(runner.name, lean.net, torch.get_num_threads(), xs, want)
+        return _build(runner.name, lean.net, cores(), xs, want)
     except Exception as e:   # noqa: BLE001 - the eager graph answers instead
         log.warning("Net '%s': engine %s cannot run the changed weights (%s: %s); the net runs on "
                     "the eager engine", lean.net.name, runner.name, type(e).__name__, str(e)[:300])
