@@ -10,6 +10,9 @@ path's bits at one thread count where it re-chose no kernel (``rechosen``); acro
 and re-chosen kernels a sum runs in another order: within ``LEAN_RTOL`` of the output's largest
 magnitude. Nets with a layer brewnet/deploy/fx_export.py's NO_GRAPH declines stay eager (``EAGER``);
 no call logs a WARNING. Random weights are drawn to compute what a trained net would (``realistic``).
+A net whose forwards on one shape reach ``engines.AUTO_AFTER_S`` may move to the engine auto
+picks (brewnet/execution/engines.py): its calls are held to ``engines.RTOL`` of call 1 and to
+the same bits among themselves.
 Default: ``LARGE`` nets skipped, ``SIZES`` smaller (77 s with ``-n 2`` on 2 idle cores);
 ``BREWNET_ALL_NETS=1``: every net at its own size (~15 min on one process; PSPNet peaks at ~15 GB).
 """
@@ -28,7 +31,7 @@ import pytest
 import torch
 
 import brewnet
-from brewnet.execution import lean
+from brewnet.execution import engines, lean
 from brewnet.layers import functional as Fn
 from helpers import SHARED, VENDORED, have, need, pick
 
@@ -285,8 +288,11 @@ def calls(net, n: int, where: str) -> tuple[list, dict]:
     modes, first, ref = [], {}, None
     for i in range(1, n + 1):
         o = {k: v.copy() for k, v in net.forward().items()}
-        m = ("lean" if net._lean.gm is not None else "eager", torch.get_num_threads())
+        engine = net._lean.engine
+        m = ((engine.name, engines.cores()) if engine is not None else
+             ("lean" if net._lean.gm is not None else "eager", torch.get_num_threads()))
         modes.append(m)
+        rtol = engines.RTOL[torch.float32] if engine is not None else LEAN_RTOL
         ref = ref or o
         assert o.keys() == ref.keys()
         for k in ref:
@@ -294,7 +300,7 @@ def calls(net, n: int, where: str) -> tuple[list, dict]:
             assert np.isfinite(ref[k]).all(), f"{where}: '{k}' is not finite in call 1"
             scale = float(np.abs(ref[k]).max()) if ref[k].size else 0.0
             dev = float(np.abs(o[k].astype(np.float64) - ref[k]).max()) if ref[k].size else 0.0
-            assert dev <= LEAN_RTOL * scale, \
+            assert dev <= rtol * scale, \
                 f"{where} call {i} {m}: '{k}' differs from call 1 by {dev:.3g} ({dev / scale:.3g} of its scale)"
         if m in first:     # the same path and thread count: the same bits
             for k in ref:
@@ -354,7 +360,8 @@ def test_call_n_equals_call_1(name, caplog, monkeypatch):
                 feed(net, batch, side, seed)
             where = f"batch {batch} at {'x'.join(map(str, net.blobs[net.inputs[0]].data.shape))}"
             modes, first = calls(net, CALLS, where)
-            paths = [m[0] for m in modes]
+            # (auto's engine, where it switched on: a graph too, checked against eager's outputs)
+            paths = ["lean" if m[0] in engines.BUILDERS else m[0] for m in modes]
             if graph:
                 assert paths == ["eager"] * lean.AFTER + ["lean"] * (CALLS - lean.AFTER), \
                     f"{where}: the lean graph did not take over at call {lean.AFTER + 1}: {paths}"

@@ -173,6 +173,7 @@ class LeanForward:
         key = tuple(tuple(net.blobs[n].shape) for n in net.inputs)
         if key != self._key:
             self._key, self.calls, self.gm, self.spent = key, 0, None, 0.0
+            self.engine, self._picked, self.cached = None, False, None   # picked per shape
         self.calls += 1
         if self.gm is None:
             if self.calls <= AFTER and getattr(net, "precision", "fp32") == "fp32":
