@@ -5,6 +5,7 @@ from __future__ import annotations
 import h5py
 import numpy as np
 import pytest
+import torch
 
 import brewnet as caffe
 from brewnet.cli import main
@@ -102,3 +103,26 @@ def test_python_generator_is_flat_per_batch(model):
     net = caffe.Net(str(model[0]), caffe.TEST, weights=str(model[1]))
     got = list(batches(net, ["ip"], ITERS))
     assert len(got) == ITERS and all(f["ip"].shape == (BATCH, 5) and l.shape == (BATCH,) for f, l in got)
+
+
+@pytest.mark.parametrize("engine", ["onnxruntime", "opencv", "auto"])
+def test_an_engine_runs_the_layers_after_the_data_layers(model, tmp_path, engine):
+    """--engine E: the layers after the Data layer as a deploy net on E (channels-last input, as
+    a deploy net runs: within float rounding of the net's blobs, engines.RTOL of their scale),
+    past the call where the engine switches on; the labels as they were."""
+    pytest.importorskip("onnxruntime")
+    from brewnet.execution import engines, lean
+
+    net_file, weights = model
+    iters = lean.AFTER + 3                    # the Data layer wraps around its 12 records
+    net = caffe.Net(str(net_file), caffe.TEST, weights=str(weights))
+    ref = {"ip": [], "label": []}
+    for _ in range(iters):
+        net.forward()
+        for b in ref:
+            ref[b].append(net.blobs[b].data.copy())
+    assert main(["extract", "--model", str(net_file), "--weights", str(weights), "--blobs", "ip",
+                 "--iterations", str(iters), "--out", str(tmp_path / "f.npy"), "--engine", engine]) == 0
+    got, want = np.load(tmp_path / "f_ip.npy"), np.concatenate(ref["ip"])
+    assert np.abs(got - want).max() <= engines.RTOL[torch.float32] * np.abs(want).max()
+    np.testing.assert_array_equal(np.load(tmp_path / "f_labels.npy"), np.concatenate(ref["label"]))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..errors import NetError
 from ..proto import caffe_pb2 as pb
 
-__all__ = ["fully_convolutional", "fully_convolutional_param"]
+__all__ = ["fully_convolutional", "fully_convolutional_param", "after_data"]
 
 
 def fully_convolutional_param(param: "pb.NetParameter", shapes: dict,
@@ -90,3 +90,34 @@ def fully_convolutional(net, input_shape=None):
                     a = a.t()
                 b.copy_(a.reshape(b.shape))
     return new
+
+
+def after_data(net, wanted: list[str]) -> tuple["pb.NetParameter", int]:
+    """The part of ``net`` after its data layers that computes the blobs ``wanted``, as a deploy
+    net: one Input layer holding the data layers' tops (at their shapes), then every later layer
+    that writes a blob the wanted ones depend on (in-place layers included). Returns (that net,
+    the index of the last data layer), or (None, -1) when the net does not start with data layers
+    (so that ``net.forward_tensors(0, last)`` feeds the new net's inputs)."""
+    last = -1
+    for i, layer in enumerate(net.layer_list):
+        if net.bottom_lists[i] or layer.type == "Input":
+            break
+        last = i
+    if last < 0:
+        return None, -1
+    need, keep = set(wanted), []
+    for i in range(len(net.layer_list) - 1, last, -1):
+        if need & set(net.top_lists[i]):
+            keep.append(i)
+            need |= set(net.bottom_lists[i])
+    sources = [t for i in range(last + 1) for t in net.top_lists[i] if t in need]
+    out = pb.NetParameter(name=net.name)
+    data = out.layer.add(name="data_tops", type="Input")
+    for t in sources:
+        data.top.append(t)
+        data.input_param.shape.add(dim=list(net.shapes[t]))
+    for i in reversed(keep):
+        lp = out.layer.add()
+        lp.CopyFrom(net.layer_list[i].param)
+        del lp.blobs[:], lp.include[:], lp.exclude[:]
+    return out, last

@@ -5,6 +5,7 @@ the chosen blobs written as they come to F (``.npy``, ``.h5``, ``.lmdb`` in Caff
 from __future__ import annotations
 
 import logging
+import os
 
 from ..execution.threads import plan_beside
 from .common import (
@@ -30,6 +31,10 @@ def add_arguments(p) -> None:
     p.add_argument("--out", "-out", required=True, metavar="F",
                    help="output: F.npy, F.h5, F.lmdb or F.txt (one file or database per blob but .h5)")
     p.add_argument("--label-blob", default="label", help="the blob holding the labels (default: label)")
+    p.add_argument("--engine", default=None, metavar="E",
+                   help="what runs the layers after the data layers: eager (default, or "
+                        "BREWNET_ENGINE: the net's own blobs bit for bit), auto, onnxruntime, "
+                        "opencv, compiled (as a deploy net: within float rounding; docs/deploy.md)")
     add_gpu_flag(p)
     add_net_state_flags(p)
 
@@ -43,6 +48,7 @@ def run(args) -> int:
     writer = None
     try:
         from ..analysis.features import FeatureWriter, batches, check_blobs
+        from ..execution import engines
 
         net = trained_net(args, COMMAND)
         blobs = [b for b in args.blobs.split(",") if b]
@@ -51,8 +57,13 @@ def run(args) -> int:
         batch = net.blobs[blobs[0]].shape[0]
         writer = FeatureWriter(args.out, blobs, args.iterations * batch)
         log.info("Extracting features of %d batches of %d", args.iterations, batch)
+        # eager unless asked: the features written are the net's own blobs, bit for bit
+        engine = (engines.engine_name(args.engine, "--engine") if args.engine
+                  else engines.engine_name(None) if os.environ.get("BREWNET_ENGINE") else "eager")
+        feed = (batches(net, blobs, args.iterations, args.label_blob) if engine == "eager"
+                else engine_batches(net, blobs, args.iterations, args.label_blob, engine))
         with progress_bar(args.iterations, desc="extract") as bar:
-            for feats, labels in batches(net, blobs, args.iterations, args.label_blob):
+            for feats, labels in feed:
                 writer.write(feats, labels)
                 if bar is not None:
                     bar.update(1)
@@ -66,3 +77,33 @@ def run(args) -> int:
     log.info("Wrote %s", ", ".join(str(p) for p in written))
     log.info("Successfully extracted the features!")
     return 0
+
+
+def engine_batches(net, blobs: list[str], iterations: int, label_blob: str | None, engine: str):
+    """``batches``, with the layers after the data layers as a deploy net on ``engine``
+    (brewnet/execution/engines.py): the data layers run in ``net``, their tops feed it. A net
+    that does not start with data layers runs as ``batches`` does."""
+    import torch
+
+    from ..analysis.features import batches
+    from ..deploy.surgery import after_data
+    from ..pycaffe import Net
+
+    part, last = after_data(net, blobs)
+    if part is None:
+        yield from batches(net, blobs, iterations, label_blob)
+        return
+    feats_net = Net(part, 1, engine=engine)
+    feats_net.share_with(net)
+    sources = feats_net.inputs
+    label_blob = label_blob if label_blob in net.blobs else None
+    with torch.no_grad():
+        for _ in range(iterations):
+            net.forward_tensors(0, last)
+            for s in sources:        # the data layer's tensor as it is (its memory layout too)
+                feats_net.blobs[s].write(net.blobs[s].tensor.detach())
+            feats_net.forward()
+            feats = {b: feats_net.blobs[b].data.astype("float32", copy=True) for b in blobs}
+            labels = (net.blobs[label_blob].tensor.detach().cpu().numpy().reshape(-1).copy()
+                      if label_blob else None)
+            yield feats, labels
