@@ -10,8 +10,8 @@ what a trained net would (tests/test_every_net_every_call.py's ``realistic``), w
 caffemodel so that every runtime runs the same weights on the same input. Runtimes, timed one
 call each in turn (the order rotated each round) after their warm-up: "brewnet": a pycaffe Net
 at the user's defaults (engine auto; warmed until it has picked its engine, which the engine
-cache remembers from an earlier run: run the benchmark twice on a new machine); "eager" and
-"ort-engine" (and "compiled" with --compiled): the engines by name; "opencv": OpenCV's dnn on
+cache remembers from an earlier run: run the benchmark twice on a new machine); "eager" (and
+"compiled" with --compiled): the engines by name; "opencv": OpenCV's dnn on
 the prototxt and caffemodel; "ort": ONNX Runtime on ``brewnet export``'s file (its defaults).
 Columns: median ms per call; "vs best peer": brewnet / min(opencv, ort); "engine" the one
 brewnet ended on; "%peak": for nets over 1 GFLOP an image, brewnet's GFLOP/s over this
@@ -119,7 +119,7 @@ def one(name: str, batch: int, reps: int, budget: float, compiled: bool) -> dict
            "gflop": flops / 1e9, "ms": {}, "why": {}}
     runners = {}
     nets = {}
-    for label, engine in [("brewnet", None), ("eager", "eager"), ("ort-engine", "onnxruntime")] + (
+    for label, engine in [("brewnet", None), ("eager", "eager")] + (
             [("compiled", "compiled")] if compiled else []):
         net = Net(str(path), brewnet.TEST, weights=str(weights), engine=engine)
         for n, x in xs.items():
@@ -150,7 +150,7 @@ def one(name: str, batch: int, reps: int, budget: float, compiled: bool) -> dict
     except Exception as e:  # noqa: BLE001 - a row says why a peer could not run the net
         row["why"]["ort"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     warm_brewnet(nets["brewnet"], xs)
-    for label in ("eager", "ort-engine", "compiled"):
+    for label in ("eager", "compiled"):
         if label in nets:
             for _ in range(lean_after() + 2):
                 nets[label].forward(**xs)
@@ -185,7 +185,7 @@ def ratio(row) -> float | None:
 
 
 def table(rows, peak: float) -> None:
-    cols = ["brewnet", "eager", "ort-engine", "compiled", "opencv", "ort"]
+    cols = ["brewnet", "eager", "compiled", "opencv", "ort"]
     cols = [c for c in cols if any(c in r["ms"] for r in rows)]
     print(f"\nfp32 matrix-multiply peak (torch.mm 2048^2): {peak:.0f} GFLOP/s")
     head = f"{'net':24} {'b':>3} {'GFLOP':>7} " + " ".join(f"{c:>10}" for c in cols)
@@ -211,7 +211,7 @@ def table(rows, peak: float) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nets", default="", help="names (substrings), separated by ','")
+    p.add_argument("--nets", default="", help="names, separated by ',' (default: all)")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--budget", type=float, default=4.0, help="seconds of timing per row at most")
@@ -230,11 +230,11 @@ def main() -> None:
         return
     c = corpus()
     want = [s for s in a.nets.split(",") if s]
-    entries = [e for e in c.NETS if c.available(e, ROOT) and (not want or any(w in e["name"] for w in want))]
+    entries = [e for e in c.NETS if c.available(e, ROOT) and (not want or e["name"] in want)]
     peak = mm_peak()
     rows = []
-    for e in entries:
-        for b in [int(x) for x in a.batches.split(",")]:
+    for b in [int(x) for x in a.batches.split(",")]:      # every net at one batch, then the next
+        for e in entries:
             cmd = [sys.executable, __file__, "--one", e["name"], "--batch", str(b), "--reps", str(a.reps),
                    "--budget", str(a.budget)] + (["--compiled"] if a.compiled else [])
             t0 = time.perf_counter()
@@ -252,8 +252,8 @@ def main() -> None:
                       + f" ms [{r['engine']}] ({time.perf_counter() - t0:.0f} s)", flush=True)
             else:
                 print(f"{e['name']} b{b}: FAILED: {why}", flush=True)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"peak": peak, "rows": rows}, indent=1))
+            if a.json:         # after each row: an interrupted run keeps what it measured
+                Path(a.json).write_text(json.dumps({"peak": peak, "rows": rows}, indent=1))
     table(rows, peak)
 
 

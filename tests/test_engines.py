@@ -74,21 +74,14 @@ def test_onnxruntime_engine_gives_the_eager_outputs(path, batch):
         assert all(np.array_equal(g[k], w[k]) for k in w)
 
 
-def test_onnxruntime_engine_on_a_trained_resnet():
-    need(NSFW / "deploy.prototxt")
-    net, eager = twin(NSFW / "deploy.prototxt", "onnxruntime", weights=NSFW / "resnet_50_1by2_nsfw.caffemodel")
+@pytest.mark.parametrize("engine, path, weights, kind", [
+    ("onnxruntime", NSFW / "deploy.prototxt", NSFW / "resnet_50_1by2_nsfw.caffemodel", "OnnxRuntimeEngine"),
+    ("compiled", LENET, None, "CompiledEngine")], ids=["onnxruntime-trained-resnet", "compiled-lenet"])
+def test_engine_gives_the_eager_outputs(engine, path, weights, kind):
+    net, eager = twin(need(path), engine, weights=weights)
     xs = inputs(net, lean.AFTER + 3)
     got, want = outputs(net, xs), outputs(eager, xs)
-    assert isinstance(net._lean.engine, engines.OnnxRuntimeEngine)
-    for g, w in zip(got, want):
-        assert_close(g, w, engines.RTOL[torch.float32])
-
-
-def test_compiled_engine_gives_the_eager_outputs():
-    net, eager = twin(LENET, "compiled")
-    xs = inputs(net)
-    got, want = outputs(net, xs), outputs(eager, xs)
-    assert isinstance(net._lean.engine, engines.CompiledEngine)
+    assert isinstance(net._lean.engine, getattr(engines, kind))
     for g, w in zip(got, want):
         assert_close(g, w, engines.RTOL[torch.float32])
 

@@ -38,21 +38,23 @@ OPSET = 18
 AUTO_AFTER_S = 5.0    # auto: seconds of whole forwards on one input shape before it measures
 
 
-def engine_name(value: str | None, where: str = "engine") -> str:
-    """The engine asked for (``value``, else ``BREWNET_ENGINE``, else auto); a bad name is one line."""
+def _named(value: str | None, where: str, env: str, allowed: tuple) -> str:
+    """``value``, else the variable ``env``, else ``allowed[0]``; a bad name is one line."""
     if value is None:
-        value, where = os.environ.get("BREWNET_ENGINE", "").strip() or "auto", "BREWNET_ENGINE"
-    if value not in ENGINES:
-        raise NetError(f"{where}={value!r}: expected one of {', '.join(ENGINES)}")
+        value, where = os.environ.get(env, "").strip() or allowed[0], env
+    if value not in allowed:
+        raise NetError(f"{where}={value!r}: expected one of {', '.join(allowed)}")
     return value
+
+
+def engine_name(value: str | None, where: str = "engine") -> str:
+    """The engine asked for (``value``, else ``BREWNET_ENGINE``, else auto)."""
+    return _named(value, where, "BREWNET_ENGINE", ENGINES)
 
 
 def precision_name(value: str | None, where: str = "precision") -> str:
-    if value is None:
-        value, where = os.environ.get("BREWNET_PRECISION", "").strip() or "fp32", "BREWNET_PRECISION"
-    if value not in PRECISIONS:
-        raise NetError(f"{where}={value!r}: expected one of {', '.join(PRECISIONS)}")
-    return value
+    """The precision asked for (``value``, else ``BREWNET_PRECISION``, else fp32)."""
+    return _named(value, where, "BREWNET_PRECISION", PRECISIONS)
 
 
 def need_onnxruntime():
