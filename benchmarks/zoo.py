@@ -8,11 +8,14 @@ The corpus is benchmarks/zoo/corpus.py (each net's provenance: benchmarks/zoo/SO
 process (memory is freed between nets; a crash costs one row). Weights: random, drawn to compute
 what a trained net would (tests/test_every_net_every_call.py's ``realistic``), written to a
 caffemodel so that every runtime runs the same weights on the same input. Runtimes, timed one
-call each in turn (the order rotated each round) after their warm-up: "brewnet": a pycaffe Net
+call each in turn (the order rotated each round; each timed call follows an untimed one of the
+same runtime, so that another runtime's spinning threads, ONNX Runtime's and OpenCV's, have
+stopped) after their warm-up: "brewnet": a pycaffe Net
 at the user's defaults (engine auto; warmed until it has picked its engine, which the engine
 cache remembers from an earlier run: run the benchmark twice on a new machine); "eager" (and
 "compiled" with --compiled): the engines by name; "opencv": OpenCV's dnn on
-the prototxt and caffemodel; "ort": ONNX Runtime on ``brewnet export``'s file (its defaults).
+the prototxt and caffemodel; "ort": ONNX Runtime (its default session) on the file ``brewnet
+export --fold`` writes (the one auto's engine cache holds, when auto built it).
 Columns: median ms per call; "vs best peer": brewnet / min(opencv, ort); "engine" the one
 brewnet ended on; "%peak": for nets over 1 GFLOP an image, brewnet's GFLOP/s over this
 machine's fp32 matrix-multiply rate (torch.mm 2048^2, measured in the same run).
@@ -109,12 +112,14 @@ def one(name: str, batch: int, reps: int, budget: float, compiled: bool) -> dict
 
     import brewnet
     from brewnet.deploy import export_onnx, to_torch
+    from brewnet.execution import engine_cache, engines
     from brewnet.pycaffe import Net
 
     entry = next(e for e in corpus().NETS if e["name"] == name)
     folder = Path(tempfile.mkdtemp(prefix="zoo-"))
     path, weights, xs, core = prepare(entry, batch, folder)
     flops = net_flops(core) / batch
+    cached_onnx = engine_cache.onnx_path(core, [x.shape for x in xs.values()], engines.OPSET)
     row = {"name": name, "batch": batch, "category": entry.get("category", ""),
            "gflop": flops / 1e9, "ms": {}, "why": {}}
     runners = {}
@@ -139,17 +144,20 @@ def one(name: str, batch: int, reps: int, budget: float, compiled: bool) -> dict
         runners["opencv"] = cv_run
     except cv2.error as e:
         row["why"]["opencv"] = str(e).strip().splitlines()[-1][:160]
+    warm_brewnet(nets["brewnet"], xs)
     try:
-        onnx_file = folder / "net.onnx"
-        gm = to_torch(nets["eager"], dynamic_batch=True)
-        export_onnx(gm, onnx_file)
+        # the file ``brewnet export --fold`` writes; auto's engine cache holds it when auto
+        # built its ONNX Runtime candidate (the same file: not exported twice)
+        onnx_file = cached_onnx
+        if not onnx_file.exists():
+            onnx_file = folder / "net.onnx"
+            export_onnx(to_torch(nets["eager"], fold=True, dynamic_batch=False), onnx_file)
         sess = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
         feed = {i.name: xs[i.name] for i in sess.get_inputs()}
         runners["ort"] = lambda: sess.run(None, feed)
         runners["ort"]()
     except Exception as e:  # noqa: BLE001 - a row says why a peer could not run the net
         row["why"]["ort"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    warm_brewnet(nets["brewnet"], xs)
     for label in ("eager", "compiled"):
         if label in nets:
             for _ in range(lean_after() + 2):
@@ -162,6 +170,7 @@ def one(name: str, batch: int, reps: int, budget: float, compiled: bool) -> dict
     t_end = time.perf_counter() + budget
     for r in range(reps):
         for k in order[r % len(order):] + order[:r % len(order)]:
+            runners[k]()          # untimed: the previous runtime's threads stop spinning
             t0 = time.perf_counter()
             runners[k]()
             times[k].append(1e3 * (time.perf_counter() - t0))

@@ -16,8 +16,12 @@ declare -A CMD=(
   [thread_bits]="python benchmarks/thread_bits.py"
   [scaling]="python benchmarks/scaling.py"
   [serve]="python benchmarks/serve.py lenet --body jpeg,npy --breakdown"
+  [zoo]="python benchmarks/zoo.py --json benchmarks/results/zoo.json"
+  [bf16]="python benchmarks/bf16.py"
+  [layer_passes]="python benchmarks/layer_passes.py"
+  [postops]="python benchmarks/postops.py"
 )
-ORDER=(small_nets inference step_graph data many_nets fused thread_bits scaling serve)
+ORDER=(small_nets inference step_graph data many_nets fused thread_bits scaling serve zoo bf16 layer_passes postops)
 names=("${@:-${ORDER[@]}}")
 mkdir -p benchmarks/results
 for name in "${names[@]}"; do

@@ -257,11 +257,14 @@ def _time(fn, xs) -> float:
 
 
 def measure(runners: dict, xs, budget_s: float = MEASURE_S) -> dict[str, float]:
-    """Median seconds per call of each runner on ``xs``, alternating, within ``budget_s``."""
+    """Median seconds per call of each runner on ``xs``, alternating, within ``budget_s``. Each
+    timed call follows an untimed one of the same runner: ONNX Runtime's and OpenCV's threads
+    spin for a while after a call and would slow whichever runner comes next."""
     times = {k: [] for k in runners}
     t_end = time.perf_counter() + budget_s
     for r in range(ROUNDS[1]):
         for k, fn in (runners.items() if r % 2 == 0 else reversed(runners.items())):
+            fn(xs)
             times[k].append(_time(fn, xs))
         if r + 1 >= ROUNDS[0] and time.perf_counter() > t_end:
             break
