@@ -91,6 +91,18 @@ def quiet_exporter():
             lg.setLevel(lvl)
 
 
+def session_options(ort, threads: int):
+    """ONNX Runtime's defaults (one thread per physical core), but the user's thread count
+    where the user fixed one, and its notes kept out of the log."""
+    from .threads import user_threads
+
+    opts = ort.SessionOptions()
+    if user_threads():
+        opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    return opts
+
+
 class OnnxRuntimeEngine:
     """The net's folded graph as ONNX in an ONNX Runtime session (the file cached per weights)."""
 
@@ -103,9 +115,7 @@ class OnnxRuntimeEngine:
         path = engine_cache.onnx_path(net, shapes, OPSET)
         if not path.exists():
             self._export(path)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
-        opts.log_severity_level = 3
+        opts = session_options(ort, threads)
         try:
             self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         except Exception as e:   # noqa: BLE001 - a damaged cache file: export it again
@@ -379,10 +389,8 @@ class _ModuleOnnx:
         path = pathlib.Path(folder) / "net.onnx"
         with quiet_exporter():
             export_onnx(gm, path, dynamic_batch=gm.dynamic_batch, opset=OPSET)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
-        opts.log_severity_level = 3
-        self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(path), session_options(ort, threads),
+                                            providers=["CPUExecutionProvider"])
         self.input = self.session.get_inputs()[0].name
         self.single = len(gm.output_names) == 1
 
