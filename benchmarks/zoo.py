@@ -23,6 +23,7 @@ machine's fp32 matrix-multiply rate (torch.mm 2048^2, measured in the same run).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -106,11 +107,13 @@ def engine_of(net) -> str:
 
 
 def one(name: str, batch: int, reps: int, budget: float, compiled: bool) -> dict:
+    # brewnet first, as a user's script should: torch's OpenMP threads then wait passively
+    # instead of spinning beside the other runtimes (brewnet/execution/threads.py)
+    brewnet = importlib.import_module("brewnet")
     import cv2
     import onnxruntime as ort
     import torch
 
-    import brewnet
     from brewnet.deploy import export_onnx, to_torch
     from brewnet.execution import engine_cache, engines
     from brewnet.pycaffe import Net
