@@ -18,7 +18,8 @@ OUT = ROOT / "docs" / "figures"
 CORE = "core\\n(net, blob, fillers, params,\\nweights, errors, testing)"
 SURFACES = ("pycaffe", "owl", "tools", "analysis")
 LABELS = {"proto": "proto\\n(schema, I/O, upgrades, FilterNet)", "layers": "layers\\n(one module per family)",
-          "execution": "execution\\n(threads, determinism, recordings,\\nCUDA graphs, lean, folding, post-ops,\\nengines, guard)",
+          "execution": ("execution\\n(threads, determinism, recordings,\\nCUDA graphs, lean, folding,"
+                        " post-ops,\\nengines, guard)"),
           "solvers": "solvers\\n(one module per update rule)", "data": "data\\n(databases, transforms, prefetch)",
           "parallel": "parallel\\n(torch.distributed)", "many": "many\\n(merge, together, fused, search)",
           "deploy": "deploy\\n(to_torch, ONNX, surgery)", "video": "video", "pycaffe": "pycaffe",
