@@ -27,7 +27,9 @@ log = logging.getLogger("brewnet")
 ENGINES = ("auto", "eager", "compiled", "onnxruntime", "opencv")
 PRECISIONS = ("fp32", "bf16")
 MEASURE_S = 2.0       # auto: the timing of the candidates on one input shape stops after this
-ROUNDS = (2, 7)       # auto: timed calls per candidate, at least and at most (alternating)
+ROUNDS = (3, 7)       # auto: timed calls per candidate, at least and at most (alternating)
+WARMUP = (3, 20)      # auto: untimed calls of each candidate before the timed ones, at least
+WARMUP_S = 0.5        # and at most, stopping once they took this long
 # auto accepts a candidate whose outputs are within RTOL of the eager outputs' largest magnitude:
 # ONNX Runtime's kernels sum in another order and fuse bias and activation (measured on the zoo
 # nets: up to 3e-6 of scale; 1e-4 leaves room for deep nets, and catches any wrong answer).
@@ -270,6 +272,12 @@ def measure(runners: dict, xs, budget_s: float = MEASURE_S) -> dict[str, float]:
     """Median seconds per call of each runner on ``xs``, alternating, within ``budget_s``. Each
     timed call follows an untimed one of the same runner: ONNX Runtime's and OpenCV's threads
     spin for a while after a call and would slow whichever runner comes next."""
+    for fn in runners.values():      # a new session's first calls are slow (ONNX Runtime on
+        t_warm = time.perf_counter() + WARMUP_S      # ResNet-50: 138 ms falling to 65 by the
+        for i in range(WARMUP[1]):                   # 8th call; auto had kept eager for it)
+            fn(xs)
+            if i + 1 >= WARMUP[0] and time.perf_counter() > t_warm:
+                break
     times = {k: [] for k in runners}
     t_end = time.perf_counter() + budget_s
     for r in range(ROUNDS[1]):
