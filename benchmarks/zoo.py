@@ -81,7 +81,9 @@ def prepare(entry, batch: int, folder: Path):
         net.blobs[name].reshape(1, *entry["input_shape"])
         net.reshape()
     side = max(net.blobs[net.inputs[0]].data.shape[2:] or (1,))
-    realistic(net, 0, 1 if side >= 400 else 4, 0)
+    one = any(layer.type in ("Python", "Proposal", "YoloDetectionOutput", "Yolov3DetectionOutput")
+              for layer in net.layer_list)          # layers that take one image a batch
+    realistic(net, 0, 1 if one or side >= 400 else 4, 0)
     feed(net, batch, 0, 1)
     weights = folder / "w.caffemodel"
     net.save(str(weights))
