@@ -28,8 +28,8 @@ def main() -> None:
     a = p.parse_args()
     if a.brewnet:
         sys.path.insert(0, str(Path(a.brewnet).resolve()))
+    tests = str(Path(a.brewnet).resolve() / "tests" if a.brewnet else ROOT / "tests")
     sys.path.insert(1, str(ROOT / "benchmarks"))
-    sys.path.insert(2, str(ROOT / "tests"))
     sys.path.append(str(ROOT))
     import tempfile
 
@@ -38,6 +38,8 @@ def main() -> None:
 
     import brewnet
     import zoo
+
+    sys.path.insert(0, tests)       # (zoo put this checkout's tests first: the weights' helpers)
 
     entry = next(e for e in zoo.corpus().NETS if e["name"] == a.name)
     path, weights, xs, core = zoo.prepare(entry, a.batch, Path(tempfile.mkdtemp(prefix="profile-")))

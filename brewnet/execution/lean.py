@@ -146,6 +146,7 @@ class LeanForward:
         self.guard = FastPath("lean inference (repeated forwards as one graph)", net.name)
         self._nhwc_w: dict = {}                    # id(weight) -> (key, weight, NHWC copy)
         self.traces = 0                            # traces attempted (each a one-off cost)
+        self.picks = 0                             # engine picks made (each a one-off cost)
         self._cl = net._channels_last              # the plain path's NHWC activations
         self._saved: list[torch.Tensor] = []       # the inputs the graph last ran on
         self.captured, self._addresses = None, None  # CUDA: the graph captured, what it reads
@@ -189,6 +190,7 @@ class LeanForward:
         xs = [net.blobs[n].tensor.detach() for n in net.inputs]
         if not self._picked and self.guard.attempt(due, self, xs) is True:
             self._picked = True
+            self.picks += 1                # a one-off cost too: no sample for the thread timing
             self.engine = self.guard.attempt(pick, self, xs)
             self.engine = None if self.engine is FAILED else self.engine
         outs = self.guard.attempt(self._engine_call, xs)

@@ -62,13 +62,13 @@ class Net(core.Net):
         whole = start is None and end is None
         t0 = time.perf_counter()
         with self._threads as tuner:
-            traces = self._lean.traces
+            one_off = (self._lean.traces, self._lean.picks)
             if not (whole and not blobs and not self.hooked() and self._lean.run()):
                 if not whole:
                     self._lean.settle()      # a partial pass reads what the graph did not write
                 self._lean.drop()
                 self.forward_tensors(start, end)
-            if self._lean.traces != traces or self._lean.engine is not None:
+            if (self._lean.traces, self._lean.picks) != one_off or self._lean.engine is not None:
                 tuner.discard()   # a one-off trace, or another engine's threads: no sample
         if whole:
             self._lean.spent += time.perf_counter() - t0
