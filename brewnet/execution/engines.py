@@ -143,22 +143,30 @@ class OnnxRuntimeEngine:
         return tuple(torch.from_numpy(a) for a in self.session.run(self.outputs, feed))
 
 
+def compiled(gm, example: list, dynamic: bool):
+    """``torch.compile`` of ``gm`` with inductor's freezing (weights as constants), compiled
+    here on ``example``."""
+    from torch._inductor import config
+
+    with config.patch(freezing=True), torch.no_grad():
+        fn = torch.compile(gm, dynamic=dynamic)
+        fn(*example)
+    return fn
+
+
 class CompiledEngine:
     """``torch.compile`` (inductor, freezing: weights are constants) of the folded graph."""
 
     name = "compiled"
 
     def __init__(self, net, threads: int):
-        from torch._inductor import config
 
         from ..deploy import to_torch
 
         self.net, self.state = net, weights_state(net)
         gm = to_torch(net, fold=True, dynamic_batch=False).eval()
         t0 = time.perf_counter()
-        with config.patch(freezing=True), torch.no_grad():
-            self.fn = torch.compile(gm, dynamic=False)
-            self.fn(*[torch.randn(net.shapes[n]) for n in net.inputs])   # compiles here
+        self.fn = compiled(gm, [torch.randn(net.shapes[n]) for n in net.inputs], dynamic=False)
         log.info("Net '%s': compiled by torch.compile in %.1f s", net.name, time.perf_counter() - t0)
 
     def __call__(self, xs):
@@ -312,10 +320,11 @@ def due(lean, xs) -> bool:
     these shapes, so that the one-off export and timing (seconds) cost at most about as much
     again as the forwards already run (a script classifying a few images never pays it)."""
     net, asked = lean.net, getattr(lean.net, "engine", "auto")
-    if (asked != "auto" or net.device.type != "cpu" or candidates(asked) == ["eager"]
-            or getattr(net, "precision", "fp32") != "fp32"):
+    if asked != "auto" or net.device.type != "cpu" or getattr(net, "precision", "fp32") != "fp32":
         return True
-    if lean.cached is None:
+    if lean.cached is None:          # once per graph (this runs at every call until a pick)
+        if candidates(asked) == ["eager"]:
+            return True
         key = engine_cache.choice_key(net, [tuple(x.shape) for x in xs], cores(), "fp32")
         lean.cached = (key, engine_cache.ChoiceCache().get(key))
     return lean.cached[1] is not None or lean.spent >= AUTO_AFTER_S
@@ -430,11 +439,7 @@ def for_module(gm, asked: str, example: torch.Tensor, threads: int):
             if name == "onnxruntime":
                 fn = _ModuleOnnx(gm, threads, folder)
             else:
-                from torch._inductor import config
-
-                with config.patch(freezing=True), torch.no_grad():
-                    fn = torch.compile(gm, dynamic=gm.dynamic_batch)
-                    fn(example)
+                fn = compiled(gm, [example], dynamic=gm.dynamic_batch)
             got = fn(example)
             bad = within(got if isinstance(got, tuple) else (got,), want_t)
             if bad is not None:

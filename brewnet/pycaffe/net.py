@@ -42,8 +42,9 @@ class Net(core.Net):
         self.precision = engines.precision_name(precision)
         if self.engine == "onnxruntime":
             engines.need_onnxruntime()      # asked for by name: missing is the user's error now
-        if self.precision == "bf16" and engines.bf16_refusal():
-            raise NetError(engines.bf16_refusal())
+        refusal = engines.bf16_refusal() if self.precision == "bf16" else None
+        if refusal:
+            raise NetError(refusal)
         super().__init__(*args, **kwargs)
 
     def forward(self, blobs=None, start=None, end=None, **inputs):
