@@ -250,6 +250,9 @@ def test_brewnet_time_engines_prints_every_engines_time(tmp_path, monkeypatch, c
     assert "auto picks " in err
     assert main(["time", "--model", str(CIFAR), "--engines", "auto"]) != 0
     assert "--engines lists engines to time" in capsys.readouterr().err
+    assert main(["time", "--model", str(CIFAR), "--engines", "eager,tensorrt"]) != 0
+    err = capsys.readouterr().err
+    assert "--engines='tensorrt': expected one of" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("asked", ["onnxruntime", "auto"])

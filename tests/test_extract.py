@@ -126,3 +126,12 @@ def test_an_engine_runs_the_layers_after_the_data_layers(model, tmp_path, engine
     got, want = np.load(tmp_path / "f_ip.npy"), np.concatenate(ref["ip"])
     assert np.abs(got - want).max() <= engines.RTOL[torch.float32] * np.abs(want).max()
     np.testing.assert_array_equal(np.load(tmp_path / "f_labels.npy"), np.concatenate(ref["label"]))
+
+
+def test_a_bad_engine_is_one_line(model, tmp_path, capsys):
+    net_file, weights = model
+    assert main(["extract", "--model", str(net_file), "--weights", str(weights), "--blobs", "ip",
+                 "--out", str(tmp_path / "f.npy"), "--engine", "fastest"]) != 0
+    err = capsys.readouterr().err
+    assert "--engine='fastest': expected one of auto, eager, compiled, onnxruntime, opencv" in err
+    assert "Traceback" not in err and not (tmp_path / "f_ip.npy").exists()
