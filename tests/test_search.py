@@ -260,9 +260,10 @@ def test_resume_after_kill_9(solver_file, tmp_path):
 
 def two_workers(solver_file, tmp_path, storage):
     space(tmp_path, SPACE)
-    # Trials long enough (40 iterations, 8 of them) that the worker which starts second, after
-    # its interpreter and torch load, still finds trials to take on a loaded machine.
-    solver_file.write_text(SOLVER.format(iters=40))
+    # Trials long enough that the worker which starts second, after its interpreter and torch
+    # load, still finds trials to take on a loaded machine: at 40 iterations one worker ran all 8
+    # in ~2 s and CI's second worker came later (a clean clone's CI failed so); 600 gives ~7 s.
+    solver_file.write_text(SOLVER.format(iters=600))
     outs = [tmp_path / "w0", tmp_path / "w1"]
     procs = [subprocess.Popen(search_cmd(solver_file, o, storage, trials=8), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for o in outs]
