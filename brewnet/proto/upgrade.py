@@ -35,6 +35,9 @@ V1_TYPE_NAMES = {
     V1.SOFTMAX: "Softmax", V1.SOFTMAX_LOSS: "SoftmaxWithLoss", V1.SPLIT: "Split",
     V1.SLICE: "Slice", V1.TANH: "TanH", V1.WINDOW_DATA: "WindowData",
     V1.THRESHOLD: "Threshold",
+    # Forks' values: longjon's crop (BVLC PR 1639, the crop of V1 FCN and DeconvNet nets) finds
+    # its offsets from the net's coordinate maps, as RCF's AutoCrop; DeconvNet's caffe's two.
+    V1.CROP: "AutoCrop", V1.UNPOOLING: "Unpooling", V1.BN: "BN",
 }
 
 # V0 type string -> V1 enum (Caffe's UpgradeV0LayerType).
@@ -338,10 +341,28 @@ def upgrade_v1_layer(v1, out) -> bool:
     for name in _V1_PARAMS:
         if v1.HasField(name):
             getattr(out, name).CopyFrom(getattr(v1, name))
+    if v1.HasField("type") and v1.type == V1.BN:
+        _deconvnet_bn(out.bn_param)
     if v1.HasField("layer"):
         log.error("V1 layer '%s' still holds a V0 layer; ignoring it", v1.name)
         return False
     return True
+
+
+def _deconvnet_bn(p) -> None:
+    """A V1 BN layer is DeconvNet's (scale, shift; LEARN or INFERENCE). Its binary fields 1-3
+    (scale_filler, shift_filler, bn_mode) read as brewnet's slope_filler, bias_filler and an
+    unknown field: move them to DeconvNet's names, and write bn_mode, so the BN layer takes the
+    DeconvNet/SegNet reading even where the prototxt gave no bn_param."""
+    for src, dst in (("slope_filler", "scale_filler"), ("bias_filler", "shift_filler")):
+        if p.HasField(src) and not p.HasField(dst):
+            getattr(p, dst).CopyFrom(getattr(p, src))
+            p.ClearField(src)
+    for f in _unknown(p, _SEGNET_BN_MODE):
+        p.bn_mode = f.data
+    p.DiscardUnknownFields()
+    if not p.HasField("bn_mode"):
+        p.bn_mode = pb.BNParameter.LEARN
 
 
 def upgrade_net_input(net, source: str = "<net>") -> None:
@@ -415,8 +436,15 @@ FORK_NUMBERS = [
     (("Proposal",), 201, "multibox_loss_param", "proposal_param", "OpenCV / C++ Faster R-CNN ports"),
     (("Region",), 149, "reorg_param", "region_param", "YOLOv2 ports"),
     (("PSROIPooling",), 10001, None, "psroi_pooling_param", "R-FCN"),
-    (("PSROIPooling",), 10002, None, "psroi_pooling_param", "py-R-FCN / OpenCV"),
+    (("PSROIPooling",), 10002, None, "psroi_pooling_param", "OpenCV"),
+    # py-R-FCN's Caffe (Microsoft/caffe 1a2be8e, the commit its README names): 149, where
+    # brewnet has the YOLO ports' reorg_param (lossless there: ReorgParameter.reverse is an enum).
+    (("PSROIPooling",), 149, "reorg_param", "psroi_pooling_param", "py-R-FCN (Microsoft/caffe)"),
     (("BN",), 45, None, "bn_param", "SegNet"),
+    (("Lstm",), 8266711, "roi_pooling_param", "lstm_param", "caffe_ocr"),
+    (("DenseBlock",), 147, "swish_param", "denseblock_param", "caffe_ocr"),
+    (("ContinuationIndicator",), 201, "multibox_loss_param", "continuation_indicator_param",
+     "warp-ctc caffe"),
 ]
 _SEGNET_BN_MODE = 3   # SegNet's BNParameter.bn_mode: a varint where PSPNet's momentum is a float
 
