@@ -47,6 +47,12 @@ NUMPY_REFERENCE = {
     "Region": ["test_layers_forks.py::test_region_outputs_by_hand"],
     "Yolov3DetectionOutput": ["test_layers_forks.py::test_yolov3_detection_output_by_hand"],
     "YoloDetectionOutput": ["test_layers_forks.py::test_yolo_detection_output_by_hand"],
+    "Transpose": ["test_layers_ocr.py::test_transpose_is_the_forks_index_rule"],
+    "Reverse": ["test_layers_ocr.py::test_reverse_is_the_forks_copy_loop"],
+    "Lstm": ["test_layers_ocr.py::test_lstm_forward_is_the_forks_cpu_loop_and_its_gpu_kernels_for_a_batch",
+             "test_layers_ocr.py::test_lstm_backward_is_the_forks_with_gate_gradient_clipping"],
+    "CTCGreedyDecoder": ["test_layers_ocr.py::test_ctc_greedy_decoder_by_hand"],
+    "DenseBlock": ["test_layers_ocr.py::test_dense_block_blobs_and_test_forward_are_the_forks"],
 }
 
 

@@ -7,4 +7,4 @@ from .base import Layer, LayerError  # noqa: F401
 from .registry import (LAYERS, create_layer, layer_class, layer_types, load_plugins,  # noqa: F401
                        register, register_layer, unregister_layer)
 from . import (common, data, detection, loss, multibox, neuron, normalization,  # noqa: F401
-               python, rcnn, recurrent, resample, shape, vision, yolo)
+               ocr, python, rcnn, recurrent, resample, shape, vision, yolo)
