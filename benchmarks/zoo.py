@@ -4,7 +4,9 @@
                              [--json out.json] [--from out.json]
 
 The corpus is benchmarks/zoo/corpus.py (each net's provenance: benchmarks/zoo/SOURCES.md, and
-../shared/caffe-models/SOURCES.txt for the shared ones). Each (net, batch) runs in its own
+../shared/caffe-models/SOURCES.txt for the shared ones); the nets that benchmarks/load_all.py
+found not running in brewnet (benchmarks/results/load_all.json; --load-all '' to try every net) are
+skipped. Each (net, batch) runs in its own
 process (memory is freed between nets; a crash costs one row). Weights: random, drawn to compute
 what a trained net would (tests/test_every_net_every_call.py's ``realistic``), written to a
 caffemodel so that every runtime runs the same weights on the same input. Runtimes, timed one
@@ -223,6 +225,15 @@ def table(rows, peak: float) -> None:
             print(f"  {r['name']} b{r['batch']}: {k}: {why}")
 
 
+def not_running(path: str) -> dict:
+    """{net: why} for the nets that ``path`` (benchmarks/load_all.py's json) found not running in
+    brewnet: the corpus also holds nets that do not build (benchmarks/zoo/corpus.py)."""
+    p = Path(path) if path else None
+    if not p or not p.is_file():
+        return {}
+    return {r["name"]: r["brewnet"] for r in json.loads(p.read_text())["rows"] if r["brewnet"] != "ok"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nets", default="", help="names, separated by ',' (default: all)")
@@ -231,6 +242,8 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=4.0, help="seconds of timing per row at most")
     p.add_argument("--compiled", action="store_true", help="also time engine='compiled'")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--load-all", default=str(ROOT / "benchmarks" / "results" / "load_all.json"),
+                   help="skip the nets this benchmarks/load_all.py run found not running in brewnet")
     p.add_argument("--from", dest="from_", help="print the table of an earlier --json")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -245,6 +258,10 @@ def main() -> None:
     c = corpus()
     want = [s for s in a.nets.split(",") if s]
     entries = [e for e in c.NETS if c.available(e, ROOT) and (not want or e["name"] in want)]
+    failing = not_running(a.load_all)
+    for e in [e for e in entries if e["name"] in failing]:
+        print(f"{e['name']}: skipped (benchmarks/load_all.py: {failing[e['name']]})", flush=True)
+    entries = [e for e in entries if e["name"] not in failing]
     peak = mm_peak()
     rows = []
     for b in [int(x) for x in a.batches.split(",")]:      # every net at one batch, then the next

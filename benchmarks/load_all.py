@@ -1,0 +1,353 @@
+"""Load every net of the corpus in brewnet and in OpenCV's dnn, run one forward, compare.
+
+    python benchmarks/load_all.py [--nets a,b] [--timeout 300] [--mem-gb 10] [--out benchmarks/results/load_all]
+
+The corpus: benchmarks/zoo/corpus.py (provenance: benchmarks/zoo/SOURCES.md). Each net runs in its
+own process (a crash, a hang or a memory blow-up costs one row: ``--timeout`` seconds, ``--mem-gb``
+of resident memory), at batch 1: the prototxt's input shape, or the entry's ``input_shape``.
+
+brewnet: ``brewnet.Net(prototxt, TEST, engine="eager")`` (stage "build"), the inputs reshaped to
+batch 1 (stage "shapes"), random weights drawn with a fixed seed (calibrated as
+benchmarks/zoo.py's are, so that deep random nets neither overflow nor saturate; plain He-scaled
+weights where that calibration pass cannot run), one ``forward()`` on a fixed random input
+(stage "forward"). The weights are written with ``net.save()`` as a caffemodel; OpenCV
+(``cv2.dnn.readNetFromCaffe`` on the same prototxt and caffemodel) gets the same input and forwards
+its unconnected outputs. Where brewnet did not build, OpenCV reads the prototxt alone (no weights to
+run with): that says whether its importer takes the net.
+
+Compared: each OpenCV output whose layer brewnet has, against the blob that layer writes in brewnet;
+scale = max |OpenCV's output|; they agree when max |brewnet - OpenCV| <= 1e-4 * scale (and the
+shapes match). Written: ``<out>.txt`` (the table, the counts, the failures grouped by reason) and
+``<out>.json`` (the rows). A reason is the exception's first line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RTOL = 1e-4
+SEED = 0
+
+
+def corpus():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "zoo"))
+    import corpus as c
+
+    return c
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else ""
+    return f"{type(e).__name__}: {line}"[:300]
+
+
+def cv_reason(e: BaseException) -> str:
+    """OpenCV's error text: its last line holds the message (the first is a path and line)."""
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    msg = lines[-1] if lines else type(e).__name__
+    m = re.search(r"error: \(-?\d+:[^)]*\) (.*)", msg)
+    if m:
+        msg = re.sub(r" in function '[^']*'$", "", m.group(1))
+    return f"cv2.error: {msg}"[:300]
+
+
+# ---------------------------------------------------------------- one net (child process)
+
+def plain_weights(net, rng) -> None:
+    """He-scaled weights where a blob is still all zero (deploy prototxts rarely have fillers);
+    BatchNorm mean 0, variance 1; Scale multipliers U(0.5, 1.5); other vectors N(0, 0.1)."""
+    params = net.params
+    for layer in net.layer_list:
+        blobs = params.get(layer.name)
+        if not blobs:
+            continue
+        if layer.type == "BatchNorm" and len(blobs) >= 3:
+            for blob, v in zip(blobs, (0.0, 1.0, 1.0)):
+                blob.data[...] = v
+            continue
+        for k, blob in enumerate(blobs):
+            w = blob.data
+            if not w.size or w.any():
+                continue
+            if w.ndim >= 2:
+                w[...] = rng.normal(0, np.sqrt(2.0 / max(1, w[0].size)), w.shape)
+            elif layer.type == "Scale" and k == 0:
+                w[...] = rng.uniform(0.5, 1.5, w.shape)
+            else:
+                w[...] = rng.normal(0, 0.1, w.shape)
+
+
+def set_batch1(net, entry) -> None:
+    for i, name in enumerate(net.inputs):
+        shape = list(net.blobs[name].data.shape)
+        if i == 0 and entry.get("input_shape"):
+            shape = [1, *entry["input_shape"]]
+        elif shape:
+            shape[0] = 1
+        net.blobs[name].reshape(*shape)
+    net.reshape()
+
+
+def inputs_for(net) -> dict:
+    """One fixed random input per input blob: N(0, 1); ``im_info`` the image's height, width, 1;
+    an input an Embed layer reads: random indices below its ``input_dim``."""
+    rng = np.random.default_rng(SEED + 1)
+    embed = {}
+    for layer, bottoms in zip(net.layer_list, net.bottom_lists):
+        if layer.type == "Embed" and bottoms:
+            embed[bottoms[0]] = int(layer.param.embed_param.input_dim) or 1
+    image = next((net.blobs[n].data.shape[2:] for n in net.inputs if net.blobs[n].data.ndim == 4), None)
+    xs = {}
+    for name in net.inputs:
+        shape = net.blobs[name].data.shape
+        if name == "im_info" and image is not None:
+            x = np.array([[image[0], image[1], 1.0]], np.float32).reshape(shape)
+        elif name in embed:
+            x = rng.integers(0, embed[name], shape).astype(np.float32)
+        else:
+            x = rng.standard_normal(shape).astype(np.float32)
+        xs[name] = x
+    return xs
+
+
+def one(name: str) -> dict:
+    import brewnet
+
+    c = corpus()
+    entry = c.by_name(name)
+    path = c.resolve(entry, ROOT)
+    row = {"name": name, "category": entry["category"], "repo": entry.get("repo", ""),
+           "path": entry["path"], "brewnet": None, "opencv": None, "compare": [], "agree": None}
+    folder = Path(tempfile.mkdtemp(prefix="load_all-"))
+    weights = folder / "w.caffemodel"
+    stage = "build"
+    net = None
+    outs = {}
+    xs = {}
+    try:
+        brewnet.set_random_seed(SEED)
+        net = brewnet.Net(str(path), brewnet.TEST, engine="eager")
+        stage = "shapes"
+        set_batch1(net, entry)
+        stage = "weights"
+        rng = np.random.default_rng(SEED)
+        plain_weights(net, rng)
+        try:
+            sys.path.insert(0, str(ROOT / "tests"))
+            from test_every_net_every_call import realistic
+
+            realistic(net, 0, 1, SEED)
+        except Exception:  # noqa: BLE001 - calibration is best effort: plain weights stand
+            plain_weights(net, np.random.default_rng(SEED))
+        set_batch1(net, entry)
+        net.save(str(weights))
+        stage = "forward"
+        xs = inputs_for(net)
+        for n, x in xs.items():
+            net.blobs[n].data[...] = x
+        net.forward()
+        row["brewnet"] = "ok"
+        row["outputs"] = {n: list(net.blobs[n].data.shape) for n in net.outputs}
+    except BaseException as e:  # noqa: BLE001 - the row says why
+        row["brewnet"] = f"{stage}: {first_line(e)}"
+    try:
+        import cv2
+
+        if not weights.exists():
+            cv2.dnn.readNetFromCaffe(str(path))
+            row["opencv"] = "not run: no weights (brewnet did not build); its importer took the prototxt"
+        else:
+            cvn = cv2.dnn.readNetFromCaffe(str(path), str(weights))
+            if not xs:
+                xs = inputs_for(net)
+            for n, x in xs.items():
+                cvn.setInput(x, n)
+            names = list(cvn.getUnconnectedOutLayersNames())
+            got = cvn.forward(names)
+            outs = {n: np.asarray(o) for n, o in zip(names, got)}
+            row["opencv"] = "ok"
+    except BaseException as e:  # noqa: BLE001
+        row["opencv"] = cv_reason(e) if "cv2" in type(e).__module__ else first_line(e)
+    if row["brewnet"] == "ok" and row["opencv"] == "ok":
+        agree = []
+        for n, o in outs.items():
+            tops = net.top_names.get(n) or ([n] if n in net.blobs else [])
+            if not tops:
+                row["compare"].append({"output": n, "why": "no such layer in brewnet"})
+                continue
+            b = np.asarray(net.blobs[tops[0]].data, np.float64)
+            o = o.astype(np.float64)
+            if b.size != o.size:
+                row["compare"].append({"output": n, "why": f"shape {list(b.shape)} vs OpenCV {list(o.shape)}"})
+                agree.append(False)
+                continue
+            b = b.reshape(o.shape)
+            scale = float(np.nanmax(np.abs(o))) if o.size else 0.0
+            diff = float(np.nanmax(np.abs(b - o))) if o.size else 0.0
+            finite = bool(np.isfinite(b).all() and np.isfinite(o).all())
+            ok = finite and diff <= RTOL * scale if scale > 0 else finite and diff == 0.0
+            row["compare"].append({"output": n, "max_diff": diff, "scale": scale,
+                                   "rel": diff / scale if scale > 0 else None, "agree": ok,
+                                   **({} if finite else {"why": "not finite"})})
+            agree.append(ok)
+        row["agree"] = bool(agree) and all(agree)
+        if not agree:
+            row["compare_why"] = "no output in common"
+    return row
+
+
+# ---------------------------------------------------------------- the run (parent)
+
+def rss_gb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2 ** 20
+    except OSError:
+        pass
+    return 0.0
+
+
+def run_child(name: str, timeout: float, mem_gb: float) -> dict:
+    cmd = [sys.executable, __file__, "--one", name]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", GLOG_minloglevel="2", OPENCV_LOG_LEVEL="ERROR")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env=env, text=True)
+        t0 = time.monotonic()
+        why = None
+        while p.poll() is None:
+            time.sleep(0.25)
+            if time.monotonic() - t0 > timeout:
+                why = f"timed out ({timeout:.0f} s)"
+            elif mem_gb and rss_gb(p.pid) > mem_gb:
+                why = f"over {mem_gb:g} GB of memory"
+            if why:
+                p.kill()
+                p.wait()
+                break
+        seconds = time.monotonic() - t0
+        out.seek(0)
+        err.seek(0)
+        line = next((x for x in out.read().splitlines() if x.startswith("ROW ")), None)
+        tail = [x for x in err.read().strip().splitlines() if x.strip()]
+    if line and not why:
+        row = json.loads(line[4:])
+    else:
+        why = why or f"process died (exit {p.returncode}): {tail[-1][:200] if tail else 'no output'}"
+        c = corpus()
+        e = c.by_name(name)
+        row = {"name": name, "category": e["category"], "repo": e.get("repo", ""), "path": e["path"],
+               "brewnet": why, "opencv": "not run (process)", "compare": [], "agree": None}
+    row["seconds"] = round(seconds, 1)
+    return row
+
+
+def reason_key(reason: str) -> str:
+    """A failure reason without the names of one net (layer names, files, numbers), to group by."""
+    key = re.sub(r"[Ll]ayer '[^']*'", "Layer '…'", reason)
+    key = re.sub(r'[Ll]ayer "[^"]*"', 'layer "…"', key)
+    key = re.sub(r"(layer|blob|Blob|input|top|bottom|name)[ =]'[^']*'", r"\1 '…'", key)
+    key = re.sub(r"\S+\.prototxt(:\d+)*", "<prototxt>", key)
+    key = re.sub(r"\d+", "N", key)
+    return key
+
+
+def diff_text(row) -> str:
+    if row["agree"] is None:
+        return "-"
+    rels = [c["rel"] for c in row["compare"] if c.get("rel") is not None]
+    worst = max(rels) if rels else None
+    tag = "agree" if row["agree"] else "DIFFER"
+    return f"{tag} {worst:.1e}" if worst is not None else tag
+
+
+def report(rows: list[dict]) -> str:
+    lines = []
+    w = max([len(r["name"]) for r in rows] + [4])
+    lines.append(f"{'net':{w}}  {'category':17} {'repository':38} {'brewnet':44} {'opencv':44} max diff / scale")
+    for r in rows:
+        lines.append(f"{r['name']:{w}}  {r['category'][:17]:17} {r['repo'][:38]:38} "
+                     f"{r['brewnet'][:44]:44} {r['opencv'][:44]:44} {diff_text(r)}")
+    b = sum(r["brewnet"] == "ok" for r in rows)
+    o = sum(r["opencv"] == "ok" for r in rows)
+    both = sum(r["brewnet"] == "ok" and r["opencv"] == "ok" for r in rows)
+    agree = sum(bool(r["agree"]) for r in rows)
+    repos = len({r["repo"] for r in rows if r["repo"]})
+    lines += ["", f"nets: {len(rows)} (from {repos} repositories)", f"brewnet runs: {b}",
+              f"OpenCV runs: {o}", f"both run: {both}", f"agree (within {RTOL:g} of each output's scale): {agree}"]
+
+    def grouped(title, items):
+        groups = defaultdict(list)
+        for name, why in items:
+            groups[reason_key(why)].append((name, why))
+        lines.extend(["", f"{title}: {len(items)}"])
+        for key, members in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+            lines.append(f"  [{len(members)}] {key}")
+            for name, why in members:
+                lines.append(f"      {name}: {why}")
+
+    grouped("brewnet fails", [(r["name"], r["brewnet"]) for r in rows if r["brewnet"] != "ok"])
+    grouped("OpenCV fails", [(r["name"], r["opencv"]) for r in rows if r["opencv"] != "ok"])
+    differ = []
+    for r in rows:
+        if r["agree"] is False:
+            bad = [c for c in r["compare"] if not c.get("agree")]
+            text = "; ".join(f"{c['output']}: " + (c["why"] if "why" in c else
+                                                    f"max diff {c['max_diff']:.3g} / scale {c['scale']:.3g}")
+                             for c in bad)
+            differ.append((r["name"], text or r.get("compare_why", "")))
+    lines.extend(["", f"both run, outputs differ: {len(differ)}"])
+    lines.extend(f"      {n}: {why}" for n, why in differ)
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nets", default="", help="names, separated by ',' (default: every available net)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a net at most")
+    p.add_argument("--mem-gb", type=float, default=10.0, help="resident memory a net at most (0: no limit)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "load_all"),
+                   help="writes <out>.txt and <out>.json")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.one:
+        np.seterr(all="ignore")
+        print("ROW " + json.dumps(one(a.one)), flush=True)
+        return
+    c = corpus()
+    want = [s for s in a.nets.split(",") if s]
+    entries = [e for e in c.NETS if not want or e["name"] in want]
+    missing = [e["name"] for e in entries if not c.available(e, ROOT)]
+    rows = []
+    for e in entries:
+        if e["name"] in missing:
+            continue
+        r = run_child(e["name"], a.timeout, a.mem_gb)
+        rows.append(r)
+        print(f"{r['name']}: brewnet {r['brewnet']} | opencv {r['opencv']} | {diff_text(r)} ({r['seconds']} s)",
+              flush=True)
+    text = report(rows)
+    if missing:
+        text += f"\nnot available here (shared data absent): {', '.join(missing)}\n"
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".txt").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({"rtol": RTOL, "seed": SEED, "rows": rows,
+                                                    "missing": missing}, indent=1))
+    print("\n" + text[text.index("\nnets: "):])
+
+
+if __name__ == "__main__":
+    main()
