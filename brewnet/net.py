@@ -140,6 +140,8 @@ class Net:
         for t in lp.top:
             if t in self.blobs and t not in bottoms:
                 raise NetError(f"Layer '{lp.name}': top blob '{t}' is produced by multiple layers")
+        if hasattr(layer, "set_net"):   # Caffe's Layer::set_net: a layer that reads the net so far
+            layer.set_net(self)         # (AutoCrop walks it for its offsets)
         tops = layer.set_up([self.shapes[b] for b in bottoms])
         self._check_sizes(layer, tops, [self.shapes[b] for b in bottoms])
         for t, s in zip(lp.top, tops):

@@ -53,6 +53,12 @@ NUMPY_REFERENCE = {
              "test_layers_ocr.py::test_lstm_backward_is_the_forks_with_gate_gradient_clipping"],
     "CTCGreedyDecoder": ["test_layers_ocr.py::test_ctc_greedy_decoder_by_hand"],
     "DenseBlock": ["test_layers_ocr.py::test_dense_block_blobs_and_test_forward_are_the_forks"],
+    "AutoCrop": ["test_layers_forks2.py::test_autocrop_finds_rcfs_offsets_and_crops_as_the_fork",
+                 "test_layers_forks2.py::test_v1_crop_is_the_coordinate_map_crop_with_fcn8s_offsets"],
+    "Unpooling": ["test_layers_forks2.py::test_unpooling_without_mask_matches_the_fork",
+                  "test_layers_forks2.py::test_unpooling_with_mask_last_write_wins_and_gathers_back"],
+    "Flip": ["test_layers_forks2.py::test_flip_matches_the_fork"],
+    "ContinuationIndicator": ["test_layers_forks2.py::test_continuation_indicator_values_and_checks"],
 }
 
 

@@ -6,6 +6,7 @@ tested without building a layer.
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import numpy as np
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 from ..proto import caffe_pb2 as pb
 from .base import Layer, Shape, canonical_axis, count
 from .registry import register
+
+log = logging.getLogger("brewnet")
 
 
 # -- functional core -------------------------------------------------------------------------------
@@ -267,6 +270,29 @@ class MVN(Layer):
         return [mvn(bottoms[0], p.normalize_variance, p.across_channels, p.eps)]
 
 
+class _FeatureNormalize(torch.autograd.Function):
+    """happynear's Normalize over axis 1 of (N, C, H, W), with the fork's CPU backward."""
+
+    @staticmethod
+    def forward(ctx, x, l1, bp_norm):
+        norm = (x.abs() if l1 else x * x).sum(1, keepdim=True) + 1e-6
+        if not l1:
+            norm = torch.sqrt(norm)
+        y = x / norm
+        ctx.save_for_backward(x, y, norm)
+        ctx.l1, ctx.bp_norm = l1, bp_norm
+        return y, norm
+
+    @staticmethod
+    def backward(ctx, gy, gnorm):
+        x, y, norm = ctx.saved_tensors
+        s = torch.sign(x) if ctx.l1 else y
+        gx = (gy - s * (y * gy).sum(1, keepdim=True)) / norm
+        if ctx.bp_norm and gnorm is not None:
+            gx = gx + gnorm * s
+        return gx, None, None
+
+
 @register("Normalize")
 class Normalize(Layer):
     """L2 normalization with a learned scale (SSD's conv4_3_norm).
@@ -276,12 +302,28 @@ class Normalize(Layer):
     Params: norm_param across_spatial, channel_shared, scale_filler (default constant 1), eps.
     Blob: scale, shape [] if channel_shared else (C,).
     Differs from torch: F.normalize adds eps to the norm (max), not inside the square root.
+
+    happynear's Normalize (caffe-windows normalize_layer.cpp, the AMSoftmax face nets), chosen
+    by ``normalize_param`` (its own message: normalize_type, fix_gradient, bp_norm): no blob; at
+    each position of (N, C, H, W) (Caffe's legacy axes: fewer read as 1, and the top is 4-D),
+    x / norm over C with norm sqrt(sum x^2 + 1e-6) ("L2") or sum |x| + 1e-6 ("L1"); an optional
+    second top (N, 1, H, W) is the norm. Gradient, the fork's CPU one: (dy - s <y, dy>) / norm,
+    s = y (L2) or sign(x) (L1), plus s * dnorm with bp_norm and two tops (else the norm top takes
+    none). The fork's GPU code differs: L2 eps 1e-12, and fix_gradient drops the division;
+    brewnet follows the CPU code, which ignores fix_gradient.
     """
 
     exact_bottoms = 1
-    exact_tops = 1
+    min_tops = 1
+    max_tops = 2
 
     def setup(self, bottom_shapes):
+        self.feature = self.param.HasField("normalize_param")
+        if self.feature:
+            return self._setup_feature(bottom_shapes)
+        if self.num_tops != 1:
+            raise self.fail("SSD's Normalize (norm_param) has one top; happynear's two-top "
+                            "Normalize is chosen by normalize_param")
         shape = bottom_shapes[0]
         if not 2 <= len(shape) <= 4:
             raise self.fail(f"bottom must have 2 to 4 axes (N, C[, H, W]), got {tuple(shape)}")
@@ -291,14 +333,38 @@ class Normalize(Layer):
                   else pb.FillerParameter(type="constant", value=1.0))
         self.blobs = [self.new_blob(() if self.channel_shared else (shape[1],), filler)]
 
+    def _setup_feature(self, bottom_shapes):
+        p = self.param.normalize_param
+        if self.param.HasField("norm_param"):
+            raise self.fail("has both norm_param (SSD's Normalize) and normalize_param "
+                            "(happynear's): give one")
+        if p.normalize_type not in ("L1", "L2"):
+            raise self.fail(f"normalize_type must be \"L1\" or \"L2\", got {p.normalize_type!r}")
+        if not 2 <= len(bottom_shapes[0]) <= 4:
+            raise self.fail(f"bottom must have 2 to 4 axes (N, C[, H, W]), got {tuple(bottom_shapes[0])}")
+        if p.fix_gradient:
+            log.warning("Layer '%s': normalize_param.fix_gradient is ignored, as the fork's CPU "
+                        "code does (its GPU code skips the division by the norm)", self.name)
+        self.bp_norm = p.bp_norm and self.num_tops == 2
+
     def reshape(self, bottom_shapes):
         shape = tuple(bottom_shapes[0])
+        if self.feature:
+            if not 2 <= len(shape) <= 4:
+                raise self.fail(f"bottom must have 2 to 4 axes (N, C[, H, W]), got {shape}")
+            n, c, h, w = shape + (1,) * (4 - len(shape))
+            return [(n, c, h, w), (n, 1, h, w)][:self.num_tops]
         if not 2 <= len(shape) <= 4 or (not self.channel_shared and shape[1] != self.blobs[0].numel()):
             raise self.fail(f"bottom {shape} does not fit the scale of {self.blobs[0].numel()} channels")
         return [shape]
 
     def forward(self, bottoms):
         x = bottoms[0]
+        if self.feature:
+            x = x.reshape(tuple(x.shape) + (1,) * (4 - x.dim()))
+            l1 = self.param.normalize_param.normalize_type == "L1"
+            y, norm = _FeatureNormalize.apply(x, l1, self.bp_norm)
+            return [y, norm][:self.num_tops]
         dims = tuple(range(1, x.dim())) if self.across_spatial else (1,)
         y = x / torch.sqrt((x * x).sum(dim=dims, keepdim=True) + self.eps)
         scale = self.blobs[0]
@@ -319,16 +385,23 @@ class BN(Layer):
     sqrt(variance + eps) * slope + bias with the stored statistics; TRAIN: the batch's mean and
     biased variance, each stored blob updated to (1 - momentum) * batch + momentum * blob. The
     statistics blobs never get gradients, nor do slope and bias when frozen.
+    DeconvNet's BN (HyeonwooNoh/caffe bn_layer.cpp, V1 type BN; SegNet's is a copy of it) is the
+    SegNet reading; in LEARN mode it may have two more tops, the batch mean and the batch
+    variance E[x^2] - E[x]^2 (before eps), each (1, C, 1, 1), which take no gradient.
     """
 
     exact_bottoms = 1
-    exact_tops = 1
+    min_tops = 1
+    max_tops = 3
 
     def setup(self, bottom_shapes):
         p = self.param.bn_param
         self.segnet = any(p.HasField(f) for f in ("scale_filler", "shift_filler", "bn_mode"))
         if len(bottom_shapes[0]) != 4:
             raise self.fail(f"bottom must be (N, C, H, W), got {tuple(bottom_shapes[0])}")
+        if self.num_tops > 1 and not (self.segnet and p.bn_mode == pb.BNParameter.LEARN):
+            raise self.fail("only DeconvNet's bn_mode LEARN has the batch mean and variance "
+                            "tops; this BN has one top")
         shape = (1, bottom_shapes[0][1], 1, 1)
         if self.segnet:
             self.blobs = [self.new_blob(shape, p.scale_filler), self.new_blob(shape, p.shift_filler)]
@@ -346,7 +419,7 @@ class BN(Layer):
         x = tuple(bottom_shapes[0])
         if len(x) != 4 or x[1] != self.blobs[0].shape[1]:
             raise self.fail(f"bottom shape {x} does not have {self.blobs[0].shape[1]} channels")
-        return [x]
+        return [x] + [(1, x[1], 1, 1)] * (self.num_tops - 1)
 
     def forward(self, bottoms):
         x = bottoms[0]
@@ -357,7 +430,8 @@ class BN(Layer):
                 return [x * scale + shift]
             mean = x.mean((0, 2, 3), keepdim=True)
             var = (x * x).mean((0, 2, 3), keepdim=True) - mean * mean
-            return [(x - mean) / torch.sqrt(var + 1e-9) * scale + shift]
+            y = (x - mean) / torch.sqrt(var + 1e-9) * scale + shift
+            return [y, mean.detach(), var.detach()][:self.num_tops]
         slope, bias, mean_blob, var_blob = self.blobs
         eps = float(np.float32(p.eps))
         if p.frozen or self.phase == pb.TEST:
