@@ -16,6 +16,7 @@ import warnings
 import numpy as np
 import torch
 
+from ..proto.prior_layouts import L, aspect_ratios, prior_counts
 from . import bbox as B
 from .base import Layer
 from .registry import register
@@ -33,6 +34,15 @@ class PriorBox(Layer):
     square, the sqrt(min*max) square, then each aspect ratio != 1; channel 1 the variances.
     Params: prior_box_param min_size, max_size, aspect_ratio, flip, clip, variance, img_size /
     img_h / img_w, step / step_h / step_w, offset. Sizes are truncated to int, as the fork does.
+
+    The forks' layouts (the loc/conf channels follow the same order):
+    ``denser_prior_boxes`` (TextBoxes++): each prior followed by its copy centred at
+    (h + 1) * step_h, half a cell lower. ``layout: TEXTBOXES`` (TextBoxes): the same for every
+    prior, sizes kept as floats, clip true unless given. ``layout: FACEBOXES`` (FaceBoxes):
+    min_size 32 gives 4 x 4 boxes centred at the cell centre + (j, i) * 8, j, i in -2..1 (row by
+    row), 64 gives 2 x 2 at + (j, i) * 16, j, i in -1..0, any other one box; these min_size
+    boxes span the centre -+ (size - 1) / 2. upgrade_net sets ``layout`` from the net's loc
+    branch where the prototxt names none (brewnet/proto/prior_layouts.py).
     """
 
     exact_bottoms = 2
@@ -48,21 +58,63 @@ class PriorBox(Layer):
         if p.max_size and (len(p.max_size) != len(p.min_size)
                            or any(a <= b for a, b in zip(p.max_size, p.min_size))):
             raise self.fail("prior_box_param: one max_size per min_size, each larger than it")
-        ratios = [np.float32(1.0)]
-        for ar in p.aspect_ratio:
-            if all(abs(ar - r) >= 1e-6 for r in ratios):
-                ratios.append(np.float32(ar))
-                if p.flip:
-                    ratios.append(np.float32(1.0 / ar))
-        self.ratios = ratios
-        self.num_priors = len(ratios) * len(p.min_size) + len(p.max_size)
+        if p.layout != L.SSD and p.denser_prior_boxes:
+            raise self.fail("denser_prior_boxes is TextBoxes++'s; it goes with layout SSD only")
+        self.ratios = aspect_ratios(p)
+        self.cell = self._cell(p)
+        self.num_priors = len(self.cell)
+        if self.num_priors != prior_counts(p):
+            # FaceBoxes' LayerSetUp allocates 21 priors a cell for three min_sizes, else SSD's
+            # count; its Forward_cpu writes 16 for 32 and 4 for 64: any other mix overruns (or
+            # leaves unset) the fork's own top blob.
+            raise self.fail(f"FaceBoxes' layout writes {self.num_priors} priors a cell where the "
+                            f"fork allocates {prior_counts(p)}: min_size {list(p.min_size)} is "
+                            "not a net that fork runs")
         var = list(p.variance) or [0.1]
         if len(var) not in (1, 4) or any(v <= 0 for v in var):
             raise self.fail(f"variance must be 1 or 4 positive values, got {var}")
         self.variance = var
+        self.clip = p.clip if (p.HasField("clip") or p.layout != L.TEXTBOXES) else True
         self.img_hw = self._pair(p, "img_size", "img_h", "img_w")
         self.step_hw = self._pair(p, "step", "step_h", "step_w")
         self._cache = {}
+
+    def _cell(self, p) -> list[tuple]:
+        """The priors of one cell, in the fork's order: (dx, dy, half width, half height, down)
+        -- centre (center_x + dx, center_y + dy) in float, as the forks add them, or, with
+        ``down``, (center_x, (h + 1) * step_h); the half sizes in double."""
+        f32 = np.float32
+        dense = p.denser_prior_boxes or p.layout == L.TEXTBOXES
+        out = []
+
+        def add(dx, dy, hw, hh):
+            out.append((dx, dy, hw, hh, False))
+            if dense:
+                out.append((dx, dy, hw, hh, True))
+
+        for s, size in enumerate(p.min_size):
+            # TextBoxes keeps min_size_ a float; SSD, TextBoxes++ and FaceBoxes take int(min_size)
+            mn = f32(size) if p.layout == L.TEXTBOXES else f32(int(size))
+            if p.layout == L.FACEBOXES:
+                n, shift = {32: (4, 8), 64: (2, 16)}.get(int(size), (1, 0))
+                half = (float(mn) - 1) / 2.0
+                for i in range(-(n // 2), n - n // 2):
+                    for j in range(-(n // 2), n - n // 2):
+                        add(f32(j * shift), f32(i * shift), half, half)
+            else:
+                add(f32(0), f32(0), float(mn) / 2, float(mn) / 2)
+            if p.max_size:
+                if p.layout == L.TEXTBOXES:         # float product, sqrt rounded to float
+                    side = f32(math.sqrt(float(mn * f32(p.max_size[s]))))
+                else:                               # int product, double sqrt, to float
+                    side = f32(math.sqrt(int(mn) * int(p.max_size[s])))
+                add(f32(0), f32(0), float(side) / 2, float(side) / 2)
+            for ar in self.ratios:
+                if abs(ar - 1.0) < 1e-6:
+                    continue
+                r = np.sqrt(ar)                     # float sqrt; max_size plays no part here
+                add(f32(0), f32(0), float(mn * r) / 2, float(mn / r) / 2)
+        return out
 
     def _pair(self, p, both, h, w):
         if p.HasField(h) or p.HasField(w):
@@ -97,26 +149,19 @@ class PriorBox(Layer):
         offset = f32(p.offset)
         cx = (np.arange(lw, dtype=f32) + offset) * step_w          # float, as center_x
         cy = (np.arange(lh, dtype=f32) + offset) * step_h
-        sizes = []                                                   # (box_width, box_height)
-        for s, mn in enumerate(p.min_size):
-            mn = int(mn)
-            sizes.append((f32(mn), f32(mn)))
-            if p.max_size:
-                side = math.sqrt(mn * int(p.max_size[s]))
-                sizes.append((f32(side), f32(side)))
-            for ar in self.ratios:
-                if abs(ar - 1.0) < 1e-6:
-                    continue
-                r = np.sqrt(ar)                     # float sqrt; max_size plays no part here
-                sizes.append((f32(mn) * r, f32(mn) / r))
-        bw = np.array([w for w, _ in sizes], dtype=np.float64)[None, None, :]
-        bh = np.array([h for _, h in sizes], dtype=np.float64)[None, None, :]
-        x = cx.astype(np.float64)[None, :, None]
-        y = cy.astype(np.float64)[:, None, None]
-        boxes = np.stack(np.broadcast_arrays((x - bw / 2) / img_w, (y - bh / 2) / img_h,
-                                             (x + bw / 2) / img_w, (y + bh / 2) / img_h), -1)
+        cy1 = (np.arange(lh, dtype=f32) + f32(1)) * step_h          # center_y_offset_1
+        dx = np.array([c[0] for c in self.cell], dtype=f32)
+        dy = np.array([c[1] for c in self.cell], dtype=f32)
+        down = np.array([c[4] for c in self.cell])
+        hw = np.array([c[2] for c in self.cell], dtype=np.float64)[None, None, :]
+        hh = np.array([c[3] for c in self.cell], dtype=np.float64)[None, None, :]
+        x = (cx[None, :, None] + dx[None, None, :]).astype(np.float64)        # float adds
+        y = np.where(down[None, None, :], cy1[:, None, None],
+                     cy[:, None, None] + dy[None, None, :]).astype(np.float64)
+        boxes = np.stack(np.broadcast_arrays((x - hw) / img_w, (y - hh) / img_h,
+                                             (x + hw) / img_w, (y + hh) / img_h), -1)
         boxes = boxes.astype(f32).reshape(-1)
-        if p.clip:
+        if self.clip:
             boxes = np.clip(boxes, 0, 1)
         var = np.resize(np.array(self.variance, dtype=f32), boxes.size)
         return np.stack([boxes, var])
@@ -153,6 +198,9 @@ class DetectionOutput(Layer):
         p = self.param.detection_output_param
         if not p.HasField("num_classes"):
             raise self.fail("detection_output_param.num_classes is required")
+        if p.use_polygon:
+            raise self.fail("use_polygon (TextBoxes++'s quadrilateral decoding, 12 numbers a "
+                            "prior) is not implemented")
         self.num_classes = p.num_classes
         self.share = p.share_location
         self.loc_classes = 1 if self.share else self.num_classes

@@ -14,6 +14,7 @@ import logging
 
 from . import caffe_pb2 as pb
 from .errors import ProtoError
+from .prior_layouts import needs_prior_box_layout_upgrade, upgrade_prior_box_layouts
 
 log = logging.getLogger("brewnet")
 
@@ -151,7 +152,8 @@ def needs_upgrade(net) -> bool:
     """True if ``net`` uses any legacy form that ``upgrade_net`` rewrites."""
     return (needs_v0_upgrade(net) or needs_data_upgrade(net) or needs_v1_upgrade(net)
             or needs_input_upgrade(net) or needs_batchnorm_upgrade(net)
-            or needs_ceil_mode_upgrade(net) or needs_fork_fields_upgrade(net))
+            or needs_ceil_mode_upgrade(net) or needs_fork_fields_upgrade(net)
+            or needs_prior_box_layout_upgrade(net))
 
 
 # ----------------------------------------------------------------------------------- net
@@ -188,6 +190,7 @@ def upgrade_net(net, source: str = "<net>"):
         log.info("Reading fork layer fields at their forks' numbers in %s", source)
         upgrade_fork_fields(out)
     check_fork_collisions(out, source)
+    upgrade_prior_box_layouts(out, source)     # TextBoxes' and FaceBoxes' priors (prior_layouts.py)
     return out
 
 
