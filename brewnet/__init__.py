@@ -40,6 +40,7 @@ from .many.merge import merge_indep_net_spec, merge_nets  # noqa: E402  (nideep'
 from .net import NetError  # noqa: E402
 from .proto import caffe_pb2  # noqa: E402
 from .proto.caffe_pb2 import TEST, TRAIN  # noqa: E402
+from .proto.schema import use_proto  # noqa: E402  (a fork's caffe.proto for every file)
 from . import pycaffe  # noqa: E402
 from .pycaffe import coord_map, draw, classifier, detector, net_spec, _caffe  # noqa: E402,F401
 from .pycaffe import (AdaDeltaSolver, AdaGradSolver, AdamSolver, Classifier, Detector,  # noqa: E402
@@ -57,7 +58,7 @@ for _name in pycaffe.MODULES:
 __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu", "set_mode_gpu",
            "set_device", "set_random_seed", "layer_type_list", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
-           "Layer", "register_layer", "Classifier", "Detector", "coord_map", "draw", "layers",
+           "Layer", "register_layer", "use_proto", "Classifier", "Detector", "coord_map", "draw", "layers",
            "params", "NetSpec", "to_proto", "to_torch", "merge_indep_net_spec", "merge_nets",
            "fully_convolutional", "set_deterministic", "is_deterministic", "__version__", "NCCL",
            "has_nccl", "set_solver_count", "set_solver_rank", "set_multiprocess", "solver_count",

@@ -13,6 +13,8 @@ import re
 import sys
 
 from . import __version__, tools
+from .proto.schema import use_proto
+from .tools.common import USER_ERRORS, report
 
 
 def _commands() -> dict:
@@ -63,13 +65,21 @@ def _unknown_flags(argv: list[str], parser: argparse.ArgumentParser) -> list[str
     return out
 
 
+def add_arguments(mod, p) -> None:
+    """A command's own flags, and ``--proto`` (every command reads its Caffe files with it)."""
+    mod.add_arguments(p)
+    if not any("--proto" in a.option_strings for a in p._actions):
+        p.add_argument("--proto", "-proto", metavar="CAFFE.PROTO",
+                       help="a Caffe fork's caffe.proto: read and write this command's Caffe "
+                            "files in the fork's schema (default: $BREWNET_PROTO, else brewnet's)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="brewnet", description="Caffe on PyTorch.")
     parser.add_argument("--version", action="version", version=f"brewnet {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, mod in sorted(COMMANDS.items()):
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
-        mod.add_arguments(p)
+        add_arguments(mod, sub.add_parser(name, help=mod.HELP, description=mod.HELP))
     argv = list(sys.argv[1:] if argv is None else argv)
     k = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
     if k is not None and getattr(COMMANDS.get(argv[k]), "PASS_THROUGH", False):
@@ -84,10 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 1
     try:
+        if getattr(args, "proto", None):
+            use_proto(args.proto)
         return COMMANDS[args.command].run(args) or 0
     except KeyboardInterrupt:   # Ctrl-C outside a command's own handlers: no traceback
         print(f"brewnet {args.command}: interrupted", file=sys.stderr)
         return 130
+    except USER_ERRORS as e:    # a bad file or definition a command did not catch: one line
+        return report(args.command, e)
 
 
 def _run_pass_through(parser, sub, argv: list[str], k: int) -> int:

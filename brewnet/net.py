@@ -24,9 +24,10 @@ from .blob import Blob
 from .data import layers as _data_layers  # noqa: F401  (registers the database readers)
 from .errors import NetError
 from .execution.folding import Folder
-from .layers import Layer, layer_class
+from .layers import Layer, LayerError, layer_class
 from .params import LearnableParams
 from .proto import caffe_pb2 as pb
+from .proto import schema
 from .proto.filter import filter_net, make_state
 
 log = logging.getLogger("brewnet")
@@ -65,7 +66,7 @@ class Net:
     ``bottom_need_backward`` (Caffe's: does it get one), ``learnable_params``, ``inputs``, ``outputs``."""
 
     def __init__(self, net, *args, level: int = 0, stages: Sequence[str] = (), weights=None,
-                 phase=None, device=None):
+                 phase=None, device=None, proto=None):
         if args and isinstance(args[0], (str, os.PathLike)):      # Net(model, weights, phase)
             weights, args = args[0], args[1:]
         if args:
@@ -73,7 +74,13 @@ class Net:
         if len(args) > 1:
             raise TypeError("Net(net, phase[, level, stages, weights]) got too many positional arguments")
         phase = pb.TEST if phase is None else int(phase)
-        param = _load_param(net)
+        # a fork's caffe.proto (``proto=``, else use_proto's or BREWNET_PROTO's) reads this net's
+        # files and writes its weights (proto/schema.py)
+        self.schema = schema.load(proto) if proto is not None else schema.active()
+        with schema.using(self.schema):
+            param = _load_param(net)
+        self.source = os.fspath(net) if isinstance(net, os.PathLike) or (
+            isinstance(net, str) and "{" not in net and os.path.exists(net)) else None
         self.phase = phase
         self.param = filter_net(param, make_state(phase, level, stages, param.state))
         self.name = self.param.name
@@ -85,7 +92,8 @@ class Net:
         if weights:
             from .weights import load_weights
 
-            load_weights(self, weights, require_match=True)   # another net's file is an error
+            with schema.using(self.schema):
+                load_weights(self, weights, require_match=True)   # another net's file is an error
 
     # -- construction ----------------------------------------------------------------------
     def _build(self) -> None:
@@ -104,9 +112,13 @@ class Net:
                             self.name, lp.name)
             names.add(lp.name)
             self._append(lp)
-        consumed = {b for bs in self.bottom_lists for b in bs}
-        # Caffe keeps the remaining blobs in a std::set: outputs come sorted by name.
-        self.outputs = sorted(b for b in self.blobs if b not in consumed)
+        # Caffe's available_blobs: each layer takes its bottoms out and puts its tops in, so a
+        # last layer working in place leaves its blob an output; a std::set: sorted by name.
+        available: set[str] = set()
+        for bottoms, tops in zip(self.bottom_lists, self.top_lists):
+            available.difference_update(bottoms)
+            available.update(tops)
+        self.outputs = sorted(available)
         self.inputs = [t for l, ts in zip(self.layer_list, self.top_lists) if l.type == "Input" for t in ts]
         self.layer_by_name = {l.name: l for l in self.layer_list}
         self._needs_backward = self.param.force_backward or any(w != 0 for w in self._loss_weights.values())
@@ -124,7 +136,10 @@ class Net:
             self.to(self.device)
 
     def _append(self, lp) -> None:
-        cls = layer_class(lp.type, lp.name)
+        try:
+            cls = layer_class(lp.type, lp.name)
+        except LayerError as e:
+            raise LayerError(f"{self.source}: {e}" if self.source else str(e)) from None
         if cls.is_loss and not lp.top:
             # Caffe's AutoTopBlobs: a loss layer written without a top still gets its loss top.
             name, k = "(automatic)", 0
@@ -278,13 +293,15 @@ class Net:
         """Load weights from a ``.caffemodel`` (binary or legacy V1) or ``.caffemodel.h5``."""
         from .weights import load_weights
 
-        load_weights(self, path)
+        with schema.using(self.schema):
+            load_weights(self, path)
 
     def save(self, path) -> None:
         """Write the net with its weights as a binary ``.caffemodel`` (atomically)."""
         from .weights import save_weights
 
-        save_weights(self, path)
+        with schema.using(self.schema):
+            save_weights(self, path)
 
     def share_with(self, other: "Net") -> None:
         """Use ``other``'s parameter tensors in the layers both nets name (Caffe's

@@ -38,12 +38,12 @@ def command_lines(body: str):
 
 
 def parsers():
-    from brewnet.cli import COMMANDS
+    from brewnet.cli import COMMANDS, add_arguments
 
     out = {}
     for name, mod in COMMANDS.items():
         p = argparse.ArgumentParser(prog=f"brewnet {name}")
-        mod.add_arguments(p)
+        add_arguments(mod, p)
         out[name] = (p, getattr(mod, "PASS_THROUGH", False))
     return out
 

@@ -20,11 +20,12 @@ def test_malformed_prototxt_names_file_line_and_field(tmp_path):
     assert "bad.prototxt" in msg and ":5" in msg and "bogus_field" in msg
 
 
-def test_unknown_layer_type_names_layer_and_lists_known():
+def test_unknown_layer_type_names_layer_and_the_ways_forward():
     with pytest.raises(ValueError) as e:
         Net('layer { name: "mystery" type: "Frobnicate" top: "x" }', caffe.TEST)
     msg = str(e.value)
-    assert "mystery" in msg and "Frobnicate" in msg and "Convolution" in msg and "ReLU" in msg
+    assert "mystery" in msg and "Frobnicate" in msg and "register_layer" in msg
+    assert "Python layer" in msg and "layer_type_list()" in msg
 
 
 def test_bottom_that_no_layer_produces():

@@ -65,8 +65,10 @@ def test_register_rules(cleanup):
     with pytest.raises(TypeError, match="not a subclass of brewnet.layers.Layer"):
         register_layer("TestPy")(brewnet.Layer)
     assert "TestTwice" in brewnet.layer_type_list()
-    with pytest.raises(LayerError, match="unknown layer type 'Nope'. Known types: .*TestTwice"):
+    with pytest.raises(LayerError, match="unknown layer type 'Nope'; .*register_layer"):
         create_layer('name: "n" type: "Nope"')
+    with pytest.raises(LayerError, match=r"unknown layer type 'TestTwise' \(did you mean 'TestTwice'\?\)"):
+        create_layer('name: "n" type: "TestTwise"')
 
 
 def test_typed_params(cleanup):

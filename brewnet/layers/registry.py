@@ -13,6 +13,7 @@ every type is listed (``layer_types``, unknown-type errors): to override a built
 """
 from __future__ import annotations
 
+import difflib
 import types
 import warnings
 from importlib.metadata import entry_points
@@ -135,9 +136,13 @@ def layer_class(type_name: str, layer_name: str = "?") -> type[Layer]:
     if own:
         raise LayerError(f"Layer '{layer_name}': type '{type_name}' comes from a {own[0]}")
     broken = "".join(f"\n  {m}" for m in failures)
+    close = difflib.get_close_matches(type_name, list(LAYERS), n=2, cutoff=0.75)
     raise LayerError(
-        f"Layer '{layer_name}': unknown layer type '{type_name}'. "
-        f"Known types: {', '.join(sorted(LAYERS))}"
+        f"Layer '{layer_name}': unknown layer type '{type_name}'"
+        + (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else "")
+        + f"; brewnet has no built-in layer of that type: write one with "
+        f"@brewnet.register_layer({type_name!r}) (docs/writing-a-layer.md), or run it as a Python "
+        f"layer (type: \"Python\" with python_param); brewnet.layer_type_list() lists the known types"
         + (f"\nPlugins that failed to import (one may define it):{broken}" if broken else ""))
 
 

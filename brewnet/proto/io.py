@@ -17,6 +17,7 @@ from google.protobuf import text_format
 from google.protobuf.message import DecodeError, EncodeError, Message
 
 from . import caffe_pb2 as pb
+from . import schema
 from .errors import ProtoError
 from .upgrade import needs_upgrade, upgrade_net, upgrade_solver
 
@@ -35,7 +36,11 @@ _TEXT_SUFFIXES = (".prototxt", ".pbtxt", ".txt")
 # ----------------------------------------------------------------------------------- text
 
 def parse_text(text: str, message: Message, filename: str = "<string>") -> Message:
-    """Merge text-format ``text`` into ``message`` and return it; errors raise ProtoError."""
+    """Merge text-format ``text`` into ``message`` and return it; errors raise ProtoError.
+    With a fork's schema active (``schema.active``) the text is parsed in the fork's messages."""
+    fork = schema.active()
+    if fork is not None and fork.parse_text(text, message, filename, _describe_parse_error) is not None:
+        return message
     try:
         text_format.Parse(text, message)
     except text_format.ParseError as e:
@@ -59,11 +64,41 @@ def _describe_parse_error(err, text: str, filename: str, message: Message) -> st
         m = re.search(r"([A-Za-z_]\w*)\s*:\s*$", src[:col - 1])
         field = m.group(1) if m else None
     where = f"{filename}:{line}:{col}" if line else filename
+    if field and "no field named" in reason and message.DESCRIPTOR.file is pb.DESCRIPTOR:
+        # a field of a Caffe fork, most likely: one line, with the way forward
+        layer = _enclosing_layer(lines, line, col)
+        return (f"{where}: {layer}unknown field '{field}' (brewnet's schema has no such field in "
+                f"{_message_at(reason, message)}); if the net comes from a Caffe fork, pass the "
+                "fork's caffe.proto: --proto PATH, caffe.Net(..., proto=PATH) or BREWNET_PROTO=PATH")
     msg = f"{where}: cannot parse {message.DESCRIPTOR.name}"
     msg += f", field '{field}': {reason}" if field else f": {reason}"
     if src:
         msg += f"\n    {src}\n    {' ' * max(col - 1, 0)}^"
     return msg
+
+
+def _message_at(reason: str, message: Message) -> str:
+    m = re.search(r'Message type "(?:\w+\.)?(\w+)"', reason)
+    return m.group(1) if m else message.DESCRIPTOR.name
+
+
+def _enclosing_layer(lines: list[str], line: int, col: int) -> str:
+    """"layer 'name' (type T): " for the layer { } block around line:col, or ""."""
+    text = "\n".join(re.sub(r"#.*", lambda m: " " * len(m.group()), ln) for ln in lines)
+    at = sum(len(ln) + 1 for ln in lines[:line - 1]) + max(col - 1, 0)
+    for m in reversed(list(re.finditer(r"\blayers?\s*\{", text[:at]))):
+        depth = 0
+        for i in range(m.end() - 1, len(text)):
+            depth += (text[i] == "{") - (text[i] == "}")
+            if depth == 0:
+                break
+        if i < at:          # this block closed before the error
+            continue
+        body = text[m.start():i]
+        name = re.search(r'\bname\s*:\s*"([^"]*)"', body)
+        kind = re.search(r'\btype\s*:\s*"?(\w+)', body)
+        return f"layer '{name.group(1) if name else '?'}'{f' (type {kind.group(1)})' if kind else ''}: "
+    return ""
 
 
 def read_text(path, message: Message) -> Message:
@@ -81,8 +116,14 @@ def read_text(path, message: Message) -> Message:
 
 
 def write_text(path, message: Message) -> None:
-    """Write ``message`` in text format, atomically."""
-    _atomic_write(path, text_format.MessageToString(message).encode("utf-8"))
+    """Write ``message`` in text format, atomically (in the active fork schema's messages)."""
+    _atomic_write(path, text_format.MessageToString(_in_schema(message)).encode("utf-8"))
+
+
+def _in_schema(message: Message) -> Message:
+    fork = schema.active()
+    theirs = fork.to_fork(message) if fork is not None else None
+    return message if theirs is None else theirs
 
 
 # ----------------------------------------------------------------------------------- binary
@@ -103,7 +144,9 @@ def read_binary(path, message: Message) -> Message:
     if not data:
         raise ProtoError(f"{path}: empty file, expected a binary {kind}")
     try:
-        message.ParseFromString(data)
+        fork = schema.active()
+        if fork is None or fork.parse_binary(data, message, str(path)) is None:
+            message.ParseFromString(data)
     except DecodeError as e:
         hint = ""
         if data[:4096].isascii() and not any(b < 9 for b in data[:4096]):
@@ -152,9 +195,9 @@ def _blob_problem(blob) -> str | None:
 
 
 def write_binary(path, message: Message) -> None:
-    """Serialize ``message`` to ``path``, atomically."""
+    """Serialize ``message`` to ``path``, atomically (in the active fork schema's numbers)."""
     try:
-        data = message.SerializeToString()
+        data = _in_schema(message).SerializeToString()
     except EncodeError as e:
         raise ProtoError(f"{path}: cannot serialize {message.DESCRIPTOR.name}: {e}") from None
     _atomic_write(path, data)
