@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import pkgutil
 import re
 import sys
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "proto", None):
             use_proto(args.proto)
+            # worker processes a command starts (serve, parallel ranks) read files with it too
+            os.environ["BREWNET_PROTO"] = os.path.abspath(args.proto)
         return COMMANDS[args.command].run(args) or 0
     except KeyboardInterrupt:   # Ctrl-C outside a command's own handlers: no traceback
         print(f"brewnet {args.command}: interrupted", file=sys.stderr)
