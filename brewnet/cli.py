@@ -8,13 +8,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
-import os
 import pkgutil
 import re
 import sys
 
 from . import __version__, tools
-from .proto.schema import use_proto
+from .proto import schema
 from .tools.common import USER_ERRORS, report
 
 
@@ -95,11 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 1
     try:
-        if getattr(args, "proto", None):
-            use_proto(args.proto)
-            # worker processes a command starts (serve, parallel ranks) read files with it too
-            os.environ["BREWNET_PROTO"] = os.path.abspath(args.proto)
-        return COMMANDS[args.command].run(args) or 0
+        with schema.for_command(getattr(args, "proto", None)):
+            return COMMANDS[args.command].run(args) or 0
     except KeyboardInterrupt:   # Ctrl-C outside a command's own handlers: no traceback
         print(f"brewnet {args.command}: interrupted", file=sys.stderr)
         return 130

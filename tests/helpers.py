@@ -164,3 +164,21 @@ def tol(kind: str, rtol: float, atol: float) -> dict:
 def host(t):
     """A tensor (any device) as a numpy array; numpy arrays pass through."""
     return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t
+
+
+def fork_pb2(tmp_dir: Path, excerpt: Path, module: str):
+    """A vendored excerpt of a fork's caffe.proto compiled by protoc (grpc_tools) into ``module``
+    and imported: the fork's own classes, its field numbers (a generator: the fixture's body)."""
+    import importlib
+    import subprocess
+    import sys
+
+    pytest.importorskip("grpc_tools")
+    (tmp_dir / f"{module}.proto").write_text(excerpt.read_text())
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{tmp_dir}", f"--python_out={tmp_dir}",
+                    str(tmp_dir / f"{module}.proto")], check=True)
+    sys.path.insert(0, str(tmp_dir))
+    try:
+        yield importlib.import_module(f"{module}_pb2")
+    finally:
+        sys.path.remove(str(tmp_dir))

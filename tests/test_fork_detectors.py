@@ -10,17 +10,13 @@
 """
 from __future__ import annotations
 
-import importlib
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 import brewnet as caffe
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto import read_net
-from tests.helpers import VENDORED
+from tests.helpers import VENDORED, fork_pb2
 
 FORKS = VENDORED / "forks"
 F32 = np.float32
@@ -29,16 +25,7 @@ F32 = np.float32
 # -- py-R-FCN's psroi_pooling_param at 149 ---------------------------------------------------
 @pytest.fixture(scope="module")
 def rfcn_pb2(tmp_path_factory):
-    pytest.importorskip("grpc_tools")
-    out = tmp_path_factory.mktemp("rfcn_proto")
-    (out / "rfcn_caffe.proto").write_text((FORKS / "rfcn_caffe_excerpt.proto").read_text())
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{out}", f"--python_out={out}",
-                    str(out / "rfcn_caffe.proto")], check=True)
-    sys.path.insert(0, str(out))
-    try:
-        yield importlib.import_module("rfcn_caffe_pb2")
-    finally:
-        sys.path.remove(str(out))
+    yield from fork_pb2(tmp_path_factory.mktemp("rfcn_pb2"), FORKS / "rfcn_caffe_excerpt.proto", "rfcn_caffe")
 
 
 RFCN_NET = """name: "rfcn"

@@ -4,10 +4,6 @@ from the vendored excerpt): the fork reads brewnet's weights with its blob shape
 (1, C, 1, 1)), and a file the fork wrote loads in brewnet with the same outputs."""
 from __future__ import annotations
 
-import importlib
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from google.protobuf import text_format
@@ -15,7 +11,7 @@ from google.protobuf import text_format
 import brewnet as caffe
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto import read_net
-from tests.helpers import VENDORED
+from tests.helpers import VENDORED, fork_pb2
 
 FORKS = VENDORED / "forks"
 F32 = np.float32
@@ -163,16 +159,7 @@ def test_pspnet_pyramid_head_builds_with_the_forks_shapes_and_runs():
 # -- caffemodels in PSPNet's own schema ------------------------------------------------------
 @pytest.fixture(scope="module")
 def pspnet_pb2(tmp_path_factory):
-    pytest.importorskip("grpc_tools")
-    out = tmp_path_factory.mktemp("pspnet_proto")
-    (out / "pspnet_caffe.proto").write_text((FORKS / "pspnet_caffe_excerpt.proto").read_text())
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{out}", f"--python_out={out}",
-                    str(out / "pspnet_caffe.proto")], check=True)
-    sys.path.insert(0, str(out))
-    try:
-        yield importlib.import_module("pspnet_caffe_pb2")
-    finally:
-        sys.path.remove(str(out))
+    yield from fork_pb2(tmp_path_factory.mktemp("pspnet_pb2"), FORKS / "pspnet_caffe_excerpt.proto", "pspnet_caffe")
 
 
 PSP_NET = """name: "psp"

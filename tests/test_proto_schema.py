@@ -222,6 +222,7 @@ def test_doctor_names_fields_no_layer_reads_and_the_weights(fork, tmp_path, caps
     out = capsys.readouterr().out
     assert "fancy_param: parsed in the fork's schema, no built-in layer reads it" in out
     assert "wide_param: parsed in the fork's schema, no built-in layer reads it" in out
+    assert schema.active() is None and "BREWNET_PROTO" not in os.environ   # --proto ends with the command
 
 
 def test_a_last_layer_in_place_is_an_output():

@@ -179,6 +179,26 @@ def active() -> Schema | None:
 
 
 @contextlib.contextmanager
+def for_command(proto):
+    """A command's ``--proto``: every file of the command, and of the worker processes it
+    starts (``BREWNET_PROTO``), in the fork's schema; as before once it returns."""
+    if not proto:
+        yield
+        return
+    saved, env, loaded = _global[0], os.environ.get(ENV), list(_env_loaded)
+    use_proto(proto)
+    os.environ[ENV] = os.path.abspath(proto)
+    try:
+        yield
+    finally:
+        _global[0], _env_loaded[:] = saved, loaded
+        if env is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = env
+
+
+@contextlib.contextmanager
 def using(schema):
     """Within the block, files are read and written with ``schema`` (a Schema, a path or None: the active one)."""
     token = _local.set(load(schema)) if schema is not None else None
@@ -300,14 +320,19 @@ def _keep(src: Message, dst: Message, fields) -> None:
 
 def _keep_unknown(src: Message, dst: Message) -> None:
     """Unknown fields of the fork message itself (a file newer than the schema) ride along too."""
-    tmp = type(src)()
-    tmp.CopyFrom(src)
-    for fd, _ in tmp.ListFields():
-        tmp.ClearField(fd.name)
-    data = tmp.SerializeToString()
+    data = _unknown_bytes(src)
     if data:
         taken = set(dst.DESCRIPTOR.fields_by_number)
         dst.MergeFromString(_renumber(data, lambda n: n + SHIFT if n in taken else n))
+
+
+def _unknown_bytes(msg: Message) -> bytes:
+    """The wire bytes of ``msg``'s unknown fields (its own level: nested ones stay in theirs)."""
+    tmp = type(msg)()
+    tmp.CopyFrom(msg)
+    for fd, _ in tmp.ListFields():
+        tmp.ClearField(fd.name)
+    return tmp.SerializeToString()
 
 
 def to_fork(src: Message, dst: Message, schema_path, where: str = "") -> None:
@@ -333,11 +358,7 @@ def to_fork(src: Message, dst: Message, schema_path, where: str = "") -> None:
             getattr(dst, theirs.name).extend(values)
         else:
             setattr(dst, theirs.name, values[-1])
-    tmp = type(src)()
-    tmp.CopyFrom(src)
-    for fd, _ in tmp.ListFields():
-        tmp.ClearField(fd.name)
-    data = tmp.SerializeToString()
+    data = _unknown_bytes(src)
     if data:
         dst.MergeFromString(_renumber(data, lambda n: n - SHIFT if n >= SHIFT else n))
 
