@@ -54,13 +54,18 @@ def first_line(e: BaseException) -> str:
 
 
 def cv_reason(e: BaseException) -> str:
-    """OpenCV's error text: its last line holds the message (the first is a path and line)."""
+    """OpenCV's error in one line: the message after "error: (code:kind)", and the "> ..." lines
+    of a failed check (what was expected, what the values were)."""
     lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
-    msg = lines[-1] if lines else type(e).__name__
-    m = re.search(r"error: \(-?\d+:[^)]*\) (.*)", msg)
-    if m:
-        msg = re.sub(r" in function '[^']*'$", "", m.group(1))
-    return f"cv2.error: {msg}"[:300]
+    head = next((x for x in lines if "error: (" in x), lines[0] if lines else type(e).__name__)
+    m = re.search(r"error: \(-?\d+:([^)]*)\) (.*)", head)
+    msg = re.sub(r"\s*\bin function '.*?'\s*$", "", m.group(2)).strip() if m else head
+    if m and m.group(1) != "Unspecified error":
+        msg = f"{m.group(1)}: {msg}"
+    more = " ".join(re.sub(r"\s+", " ", x.lstrip("> ")) for x in lines if x.startswith(">"))
+    if not msg:
+        return f"cv2.error: {more}"[:300]
+    return f"cv2.error: {msg}{' (' + more + ')' if more else ''}"[:300]
 
 
 # ---------------------------------------------------------------- one net (child process)
@@ -202,9 +207,9 @@ def one(name: str) -> dict:
                                    "rel": diff / scale if scale > 0 else None, "agree": ok,
                                    **({} if finite else {"why": "not finite"})})
             agree.append(ok)
-        row["agree"] = bool(agree) and all(agree)
+        row["agree"] = all(agree) if agree else None
         if not agree:
-            row["compare_why"] = "no output in common"
+            row["compare_why"] = "no output in common: " + ", ".join(outs)
     return row
 
 
@@ -252,6 +257,14 @@ def run_child(name: str, timeout: float, mem_gb: float) -> dict:
                "brewnet": why, "opencv": "not run (process)", "compare": [], "agree": None}
     row["seconds"] = round(seconds, 1)
     return row
+
+
+def clean(text):
+    """``text`` without this machine's paths (the repository root, temporary folders)."""
+    if not isinstance(text, str):
+        return text
+    text = text.replace(str(ROOT) + os.sep, "")
+    return re.sub(re.escape(tempfile.gettempdir()) + r"/[^\s:'\"]*", "<tmp>", text)
 
 
 def reason_key(reason: str) -> str:
@@ -310,6 +323,9 @@ def report(rows: list[dict]) -> str:
             differ.append((r["name"], text or r.get("compare_why", "")))
     lines.extend(["", f"both run, outputs differ: {len(differ)}"])
     lines.extend(f"      {n}: {why}" for n, why in differ)
+    none = [r for r in rows if r["brewnet"] == "ok" and r["opencv"] == "ok" and r["agree"] is None]
+    lines.extend(["", f"both run, nothing compared: {len(none)}"])
+    lines.extend(f"      {r['name']}: {r.get('compare_why', '')}" for r in none)
     return "\n".join(lines) + "\n"
 
 
@@ -320,6 +336,8 @@ def main() -> None:
     p.add_argument("--mem-gb", type=float, default=10.0, help="resident memory a net at most (0: no limit)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "load_all"),
                    help="writes <out>.txt and <out>.json")
+    p.add_argument("--update", action="store_true",
+                   help="run only --nets and merge their rows into <out>.json's (the other rows kept)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
@@ -338,10 +356,21 @@ def main() -> None:
         rows.append(r)
         print(f"{r['name']}: brewnet {r['brewnet']} | opencv {r['opencv']} | {diff_text(r)} ({r['seconds']} s)",
               flush=True)
+    out = Path(a.out)
+    if a.update and out.with_suffix(".json").is_file():
+        old = json.loads(out.with_suffix(".json").read_text())
+        fresh = {r["name"]: r for r in rows}
+        order = [e["name"] for e in c.NETS]
+        kept = [r for r in old["rows"] if r["name"] not in fresh and r["name"] in order]
+        rows = sorted(kept + rows, key=lambda r: order.index(r["name"]))
+        missing = sorted(set(old.get("missing", [])) - set(fresh) | set(missing), key=order.index)
+    for r in rows:
+        for k in ("brewnet", "opencv", "compare_why"):
+            if k in r:
+                r[k] = clean(r[k])
     text = report(rows)
     if missing:
         text += f"\nnot available here (shared data absent): {', '.join(missing)}\n"
-    out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".txt").write_text(text)
     out.with_suffix(".json").write_text(json.dumps({"rtol": RTOL, "seed": SEED, "rows": rows,
