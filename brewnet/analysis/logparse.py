@@ -151,9 +151,10 @@ def save_csv_files(log_path, output_dir, train: list, test: list, delimiter: str
     return base + ".train", base + ".test"
 
 
-def plot_log(path, out, title: str | None = None) -> str:
+def plot_log(path, out, title: str | None = None, log_y: bool = True) -> str:
     """PNG of train outputs and test losses, the test net's other outputs (accuracy...) and the
-    learning rate against iteration; returns ``out``. Uses the Agg canvas, never pyplot."""
+    learning rate against iteration; returns ``out``. ``log_y``: the loss panel on a log axis
+    (where every value in it is positive). Uses the Agg canvas, never pyplot."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -181,6 +182,9 @@ def plot_log(path, out, title: str | None = None) -> str:
         if "loss" in c.lower():
             ax.plot(*series(test, c), "o-", label=f"test {c}")
     ax.set_ylabel("loss")
+    ys = [y for line in ax.lines for y in line.get_ydata()]
+    if log_y and ys and min(ys) > 0:
+        ax.set_yscale("log")
     if "test" in panels:
         ax = axes[panels.index("test")]
         for c in test_other:

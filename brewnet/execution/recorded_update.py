@@ -267,13 +267,12 @@ def applied(solver, display: bool) -> bool:
     elif upd.tries < 3:
         if display:                              # the rate the update will use, logged first
             p = solver.param
-            log.info("Iteration %d, lr = %g", solver.iter,
-                     policy(p.lr_policy)(p, solver.iter, solver.current_step)[0])
+            solver._log_rate(policy(p.lr_policy)(p, solver.iter, solver.current_step)[0])
         upd.record(grads_of(solver))
         return True
     else:
         return False
     if display:
-        log.info("Iteration %d, lr = %g", solver.iter, upd.rate)
+        solver._log_rate(upd.rate)
     upd.log_clipping(out)
     return True

@@ -215,10 +215,8 @@ class FusedSolvers:
                 s._update_smoothed_loss(s.loss, start[k])
                 if s.param.display and s.iter % s.param.display == 0:
                     t0, last = tic[k]
-                    lapse = time.perf_counter() - t0
                     with self._prefix(k):
-                        log.info("Iteration %d (%g iter/s, %gs/%d iters), loss = %g", s.iter,
-                                 (s.iter - last) / (lapse or 1), lapse, s.param.display, s.smoothed_loss)
+                        s._log_speed(s.iter - last, time.perf_counter() - t0)
                         s._log_outputs(s.net, "Train", {n: v[self.order.index(k)] for n, v in outputs.items()})
                     tic[k] = (time.perf_counter(), s.iter)
             if graph is None or not graph.finish(active):
@@ -267,7 +265,7 @@ class FusedSolvers:
             with self._prefix(k):
                 if s.param.display and s.iter % s.param.display == 0:
                     s._update_smoothed_loss(first_losses[self.order.index(k)], start[k])
-                    log.info("Iteration %d, loss = %g", s.iter, s.smoothed_loss)
+                    s._log_loss()
                 if s.param.test_interval and s.iter % s.param.test_interval == 0:
                     s.test_all()
                 log.info("Optimization Done.")
@@ -344,7 +342,7 @@ class FusedSolvers:
         s = self.solvers[k]
         if s.param.display and s.iter % s.param.display == 0:
             with self._prefix(k):
-                log.info("Iteration %d, lr = %g", s.iter, rate)
+                s._log_rate(rate)
 
     def _clip(self, run, grads, log_now: bool = True):
         """Each net's gradients scaled to its clip_gradients norm. On tensors (``log_now``

@@ -38,6 +38,8 @@ class Member:
     last: float | None = None
     seen: object = None
     handler: object = None
+    values: dict = field(default_factory=dict)     # the trial's parameters
+    board: object = None                           # its TensorBoard run (``tensorboard=``)
 
     @property
     def prefix(self) -> str:
@@ -122,15 +124,22 @@ class Search:
     "NAME[:max|min]"; ``sampler``/``pruner``: names (``study.SAMPLERS``/``PRUNERS``) or Optuna
     objects; ``storage``: a URL or journal path (default ``out/study.journal``); ``on_told(trial)``
     is called as each trial ends here; ``log_format(prefix)``: the Formatter of a trial's
-    train.log (the CLI passes Caffe's glog format)."""
+    train.log (the CLI passes Caffe's glog format); ``tensorboard``: a folder where each trial
+    writes a TensorBoard run ``trial_<number>``, its parameters as hparams against the objective."""
 
     def __init__(self, solver, space, trials: int, out: str, group: int = 4,
                  objective: str = "accuracy:max", sampler="tpe", pruner="median", storage=None,
                  study: str | None = None, seed: int | None = None, device=None, fuse=None,
-                 exact: bool = True, heartbeat: int = 60, on_told=None, log_format=None):
+                 exact: bool = True, heartbeat: int = 60, on_told=None, log_format=None,
+                 tensorboard: str | None = None):
         if trials < 1 or group < 1:
             raise SearchError(f"--trials and --group must be >= 1, got {trials} and {group}")
         st.optuna()                                   # installed, or say how, before any work
+        self.tensorboard = tensorboard
+        if tensorboard:
+            from ..solvers.tensorboard import check
+
+            check()
         self.space = space if isinstance(space, Space) else Space.load(space, solver)
         self.trials, self.k, self.out, self.seed = trials, group, os.path.abspath(out), seed
         self.device, self.fuse, self.exact, self.on_told = device, fuse, exact, on_told
@@ -207,7 +216,7 @@ class Search:
             self._beating[trial.number] = trial._trial_id
         log.info("Trial %d%s: %s", trial.number, f" (retry of {retried})"
                  if retry else "", ", ".join(f"{k}={v}" for k, v in values.items()))
-        return Member(trial, p, folder)
+        return Member(trial, p, folder, values=dict(values))
 
     def _fuses_alike(self) -> bool:
         """Whether trials with alike nets are fused (see the module docstring)."""
@@ -244,8 +253,13 @@ class Search:
         try:
             g = Group(members, self.device, self.fuse, self.exact)
             log.info("Trials %s: a %s group of %d", g.numbers(), g.engine, len(members))
-            for m in members:
+            for i, m in enumerate(members):
                 m.trial.set_user_attr("engine", f"{g.engine} x{len(members)}")
+                if self.tensorboard:
+                    from ..solvers.tensorboard import attach
+
+                    m.board = attach(g.solvers[i], os.path.join(self.tensorboard, f"trial_{m.trial.number}"),
+                                     hparams=m.values, metrics=[f"test/{self.objective}"])
             return [g]
         except SearchError:
             raise
@@ -282,6 +296,9 @@ class Search:
         if m.handler is not None:
             log.removeHandler(m.handler)
             m.handler.close()
+        if m.board is not None:
+            m.board.close()
+            m.board = None
         self.told += 1
         if self.on_told is not None:
             self.on_told(t)

@@ -86,6 +86,18 @@ def storage(url: str | None, out: str, heartbeat: int = 60):
     raise SearchError(f"--storage {url}: cannot create the study tables: {first}")
 
 
+def dashboard_command(url: str | None, out: str) -> str:
+    """The one command that opens the study's storage in optuna-dashboard (which reads a journal
+    file by its path, and an RDB by its SQLAlchemy URL)."""
+    import shlex
+
+    if url is None or url.startswith("journal:") or url.endswith(".journal"):
+        target = os.path.join(out, "study.journal") if url is None else url.removeprefix("journal:")
+    else:
+        target = _mysql_driver(url)
+    return f"optuna-dashboard {shlex.quote(target)}"
+
+
 # The storage calls that write: a deadlock (InnoDB between two workers' locks; PostgreSQL too)
 # rolls the whole transaction back, so it is safe to issue again, which Optuna does not do.
 WRITES = ("create_new_study", "create_new_trial", "set_trial_param", "set_trial_state_values",

@@ -107,6 +107,7 @@ class Solver:
         self._losses: list = []
         self._train_count, self._test_counts = 0, [0] * len(self.test_nets)
         self._callbacks: list = []
+        self._watchers: list = []
         self._requests: list[str] = []
         self._early_exit = False
         self.test_scores: list[dict] = [{} for _ in self.test_nets]
@@ -201,6 +202,37 @@ class Solver:
         ``on_gradients()`` before its update."""
         self._callbacks.append((on_start, on_gradients))
 
+    def add_watcher(self, watch) -> None:
+        """``watch(tag, value, iteration)`` for every number the log shows as it is logged: the
+        train outputs at each display (``train/<output>``), each test output (``test/<output>``;
+        test net k > 0: ``test<k>/<output>``), the smoothed loss (``solver/loss``), the learning
+        rate (``solver/lr``) and the seconds per iteration since the last display
+        (``solver/seconds_per_iter``). An output of several values gives ``<tag>/<j>`` each.
+        ``brewnet.solvers.tensorboard.attach`` writes them as TensorBoard event files."""
+        self._watchers.append(watch)
+
+    def _emit(self, tag: str, value) -> None:
+        for watch in self._watchers:
+            watch(tag, float(value), self.iter)
+
+    # -- the log lines that carry numbers (one place each, so a watcher sees them all) -------
+    def _log_speed(self, iters: int, lapse: float) -> None:
+        """The display line: iterations per second over the last ``iters`` and the smoothed loss."""
+        log.info("Iteration %d (%g iter/s, %gs/%d iters), loss = %g", self.iter,
+                 iters / (lapse or 1), lapse, self.param.display, self.smoothed_loss)
+        self._emit("solver/loss", self.smoothed_loss)
+        if iters:
+            self._emit("solver/seconds_per_iter", lapse / iters)
+
+    def _log_loss(self) -> None:
+        """The last display line of a solve (the loss after the last update)."""
+        log.info("Iteration %d, loss = %g", self.iter, self.smoothed_loss)
+        self._emit("solver/loss", self.smoothed_loss)
+
+    def _log_rate(self, rate) -> None:
+        log.info("Iteration %d, lr = %g", self.iter, rate)
+        self._emit("solver/lr", rate)
+
     def request_action(self, action: str) -> None:
         """Ask the loop to ``"stop"`` or ``"snapshot"`` at the next check (signal handlers do)."""
         if action not in ("stop", "snapshot"):
@@ -253,9 +285,7 @@ class Solver:
                 self.loss = self._forward_backward()
                 self._update_smoothed_loss(self.loss, start_iter)
                 if display:
-                    lapse = time.perf_counter() - tic
-                    log.info("Iteration %d (%g iter/s, %gs/%d iters), loss = %g", self.iter,
-                             (self.iter - last) / (lapse or 1), lapse, p.display, self.smoothed_loss)
+                    self._log_speed(self.iter - last, time.perf_counter() - tic)
                     tic, last = time.perf_counter(), self.iter
                     self._log_outputs(self.net, "Train", {n: self.net.blobs[n].tensor for n in self.net.outputs})
                 for _, on_gradients in self._callbacks:
@@ -303,7 +333,7 @@ class Solver:
                 with torch.no_grad():
                     loss = f32(self.net.forward_tensors().item())
                 self._update_smoothed_loss(loss, start_iter)
-                log.info("Iteration %d, loss = %g", self.iter, self.smoothed_loss)
+                self._log_loss()
             if p.test_interval and self.iter % p.test_interval == 0:
                 self.test_all()
         log.info("Optimization Done.")
@@ -377,7 +407,7 @@ class Solver:
         p = self.param
         rate, self.current_step = policy(p.lr_policy)(p, self.iter, self.current_step)
         if display:
-            log.info("Iteration %d, lr = %g", self.iter, rate)
+            self._log_rate(rate)
         net = self.net
         grads = []
         for t in net.learnable:
@@ -481,6 +511,8 @@ class Solver:
             log.info("Test loss: %g", loss / f32(p.test_iter[k]))
         if maps is not None:
             self.test_scores[k] = detection_eval.report(maps, p.ap_version, p.show_per_class_result)
+            for name, v in self.test_scores[k].items():
+                self._emit(f"{self._test_tag(k)}/{name}", v)
             return self.test_scores[k]
         means = (sums / p.test_iter[k]).cpu().numpy() if sums is not None else np.zeros(0, np.float32)
         out, pos = {}, 0
@@ -489,18 +521,25 @@ class Solver:
             out[n] = means[pos:pos + c].reshape(net.blobs[n].shape) if c > 1 else float(means[pos])
             pos += c
         self.test_scores[k] = out
-        self._log_outputs(net, "Test", out)
+        self._log_outputs(net, "Test", out, self._test_tag(k))
         return out
 
     @staticmethod
-    def _log_outputs(net: Net, kind: str, values: dict) -> None:
+    def _test_tag(k: int) -> str:
+        return f"test{k}" if k else "test"
+
+    def _log_outputs(self, net: Net, kind: str, values: dict, tag: str = "train") -> None:
+        """Caffe's ``Train/Test net output #j`` lines; watchers get ``tag/<name>``."""
         j = 0
         weights = net.blob_loss_weights
         for name, v in values.items():
             w = weights[name]
-            for x in np.asarray(torch.as_tensor(v).detach().float().cpu()).reshape(-1):
+            xs = np.asarray(torch.as_tensor(v).detach().float().cpu()).reshape(-1)
+            for i, x in enumerate(xs):
                 extra = f" (* {w:g} = {f32(w) * x:g} loss)" if w else ""
                 log.info("    %s net output #%d: %s = %g%s", kind, j, name, x, extra)
+                if self._watchers:
+                    self._emit(f"{tag}/{name}" if len(xs) == 1 else f"{tag}/{name}/{i}", x)
                 j += 1
 
     # -- snapshots --------------------------------------------------------------------------

@@ -5,7 +5,10 @@ once (``brewnet.many.search``).
 Run it again to resume the study (its journal is ``DIR/study.journal``); run it from N machines
 with ``--storage postgresql://...`` to share one study. The end: a table per trial (also
 ``DIR/search.txt``), the best trial's files in ``DIR/best/``, Optuna's plots as PNGs in ``DIR``.
-``brewnet search --show --storage URL --study NAME`` prints the table of a study.
+``brewnet search --show --storage URL --study NAME`` prints the table of a study. Each run prints
+the command that opens the study in optuna-dashboard (``pip install 'brewnet[dashboard]'``), which
+reads the default journal file as it reads an RDB URL. ``--tensorboard DIR``: a TensorBoard run per
+trial (``trial_<number>``), its parameters as hparams.
 """
 from __future__ import annotations
 
@@ -49,6 +52,9 @@ def add_arguments(p) -> None:
     p.add_argument("--fuse-form", choices=("exact", "wide"), default="exact",
                    help="fused groups: each net's own kernels (exact, the default: a trial's numbers "
                         "are its own alone) or wide operators (faster; sums depend on the group)")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="write a TensorBoard run per trial under DIR (trial_<number>), its parameters "
+                        "as hparams (pip install 'brewnet[tensorboard]')")
     p.add_argument("--show", action="store_true", help="print the table of --study in --storage and stop")
     add_gpu_flag(p)
 
@@ -80,6 +86,7 @@ def run(args) -> int:
         from ..many.search import Search
 
         out = args.out or f"{Path(args.solver).stem}_search"
+        dashboard = st.dashboard_command(args.storage, out)
         device = single_device(args.gpu, COMMAND)
         with progress_bar(args.trials, desc="trials") as bar:
             search = Search(args.solver, args.space, args.trials, out, group=args.group,
@@ -87,7 +94,9 @@ def run(args) -> int:
                             storage=args.storage, study=args.study, seed=args.seed, device=device,
                             fuse=args.fuse, exact=args.fuse_form == "exact", heartbeat=args.heartbeat,
                             on_told=None if bar is None else lambda t: bar.update(1),
-                            log_format=lambda prefix: GlogFormatter(strip=prefix))
+                            log_format=lambda prefix: GlogFormatter(strip=prefix),
+                            tensorboard=args.tensorboard)
+            log.info("Watch the study: %s (pip install 'brewnet[dashboard]')", dashboard)
             if bar is not None:         # a resumed study: the trials it has finished
                 bar.update(min(args.trials, sum(t.state.is_finished() for t in
                                                 st.counted(search.study.get_trials(deepcopy=False)))))
@@ -101,4 +110,5 @@ def run(args) -> int:
     print(text, end="")
     print(f"Table: {os.path.join(out, 'search.txt')}; best: {best or '-'}; plots: "
           f"{', '.join(os.path.basename(p) for p in pngs) or '-'}")
+    print(f"Dashboard: {dashboard}   (pip install 'brewnet[dashboard]')")
     return 0

@@ -7,8 +7,10 @@ Caffe's rules: ``--snapshot`` (resume) and ``--weights`` (finetune) exclude each
 stop) and ``--sighup_effect`` (default snapshot) act at the next iteration. Logs: glog's format.
 Several workers (``brewnet.parallel``, Caffe 1.0's semantics: ``--gpu 0,1|all``, ``--workers N``
 or ``torchrun``): rank 0 alone logs, tests and snapshots; ``--resume auto`` continues from the
-newest snapshot. Several ``--solver`` flags train together (``brewnet.many.together``,
-``--together-threads N``), or with ``--fuse`` as one fused net (``brewnet.many.fused``).
+newest snapshot. ``--tensorboard DIR``: TensorBoard event files of every logged number, a run
+per solver named by its file (``brewnet.solvers.tensorboard``). Several ``--solver`` flags train
+together (``brewnet.many.together``, ``--together-threads N``), or with ``--fuse`` as one fused net
+(``brewnet.many.fused``).
 The details: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
@@ -68,6 +70,10 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", "-timeout", type=float, default=300.0, metavar="S",
                    help="several workers: seconds to wait for the rendezvous and for a lost or "
                         "hung worker before stopping (default 300)")
+    p.add_argument("--tensorboard", "-tensorboard", default=None, metavar="DIR",
+                   help="write TensorBoard event files under DIR: a run per solver (its file's "
+                        "name) with its train and test outputs, smoothed loss, learning rate and "
+                        "seconds per iteration (pip install 'brewnet[tensorboard]')")
     add_net_state_flags(p)
     p.add_argument("--sigint_effect", "-sigint_effect", default="stop", choices=EFFECTS,
                    help="on SIGINT (Ctrl-C): stop, snapshot or none (default stop)")
@@ -99,7 +105,7 @@ def _solver_param(args, solver):
 def _child_argv(args) -> list[str]:
     argv = ["train", "--solver", args.solver[0], "--level", str(args.level), "--timeout", str(args.timeout),
             "--sigint_effect", args.sigint_effect, "--sighup_effect", args.sighup_effect]
-    for flag in ("weights", "snapshot", "gpu", "stage", "resume"):
+    for flag in ("weights", "snapshot", "gpu", "stage", "resume", "tensorboard"):
         if getattr(args, flag):
             argv += [f"--{flag}", getattr(args, flag)]
     return argv
@@ -154,6 +160,10 @@ def run(args) -> int:
         if many and (spawn or world is not None):
             raise CLIError("several --solver (or --fuse) train in one process; data parallel "
                            "workers train one solver each")
+        if args.tensorboard:
+            from ..solvers.tensorboard import check
+
+            check()
     except USER_ERRORS as e:
         return report(COMMAND, e)
     if spawn:
@@ -184,6 +194,7 @@ def _train(args, holder, pending, world) -> int:
     from ..parallel import Replicas, join, leave
 
     watch = replicas = None
+    runs = []
     try:
         from ..solvers import get_solver
         from ..solvers.snapshot import latest
@@ -215,6 +226,8 @@ def _train(args, holder, pending, world) -> int:
         if replicas is not None:
             replicas.sync_from_root()
             solver.add_callback(replicas.on_start, replicas.on_gradients)
+        if args.tensorboard and (world is None or world.rank == 0):
+            runs = _tensorboard(args, [solver])
         log.info("Starting Optimization")
         with progress_bar(param.max_iter if world is None or world.rank == 0 else 0,
                           desc="train") as bar:
@@ -231,6 +244,8 @@ def _train(args, holder, pending, world) -> int:
         return report(COMMAND, e)
     finally:
         leave(watch)
+        for r in runs:
+            r.close()
     wall = time.perf_counter() - t0
     wait = sum(l.data_wait_s for l in prefetching_layers(solver.net))
     if wait or prefetching_layers(solver.net):
@@ -241,6 +256,7 @@ def _train(args, holder, pending, world) -> int:
 
 def _train_many(args, holder, pending) -> int:
     """Several solvers in one process: together over shared data, or fused (``--fuse``)."""
+    runs = []
     try:
         if args.snapshot:
             raise CLIError("--snapshot resumes one solver; with several --solver, resume them "
@@ -270,6 +286,8 @@ def _train_many(args, holder, pending) -> int:
         holder.append(types.SimpleNamespace(request_action=act))
         for effect in pending:
             act(effect)
+        if args.tensorboard:
+            runs = _tensorboard(args, runner.solvers)
         log.info("Starting Optimization")
         t0 = time.perf_counter()
         with progress_bar(sum(p.max_iter for p in params), desc="train") as bar:
@@ -280,6 +298,21 @@ def _train_many(args, holder, pending) -> int:
             runner.solve()
     except USER_ERRORS as e:
         return report(COMMAND, e)
+    finally:
+        for r in runs:
+            r.close()
     log.info("Trained %d solvers in %.4g s", len(params), time.perf_counter() - t0)
     log.info("Optimization Done.")
     return 0
+
+
+def _tensorboard(args, solvers) -> list:
+    """A TensorBoard run per solver under ``--tensorboard DIR``, named by its solver file."""
+    import os
+
+    from ..solvers.tensorboard import attach, run_names
+
+    runs = [attach(s, os.path.join(args.tensorboard, name), hparams=None)
+            for s, name in zip(solvers, run_names(args.solver))]
+    log.info("TensorBoard: %s (tensorboard --logdir %s)", ", ".join(r.logdir for r in runs), args.tensorboard)
+    return runs
