@@ -125,9 +125,15 @@ class Writer:
     def _silence_unused(self) -> None:
         used = {b for lp in self.net.layer for b in lp.bottom}
         outs = {self.blob.get(v) for v in self.g.outputs}
-        dangling = [t for lp in self.net.layer for t in lp.top if t not in used and t not in outs]
-        if dangling:
-            self.layer("Silence", dangling, "silence", tops=0)
+        if not any(t not in used and t not in outs for lp in self.net.layer for t in lp.top):
+            return
+        layers = list(self.net.layer)
+        del self.net.layer[:]
+        for lp in layers:      # a Silence right after the layer, so the last layer is an output's
+            self.net.layer.add().CopyFrom(lp)
+            dangling = [t for t in lp.top if t not in used and t not in outs]
+            if dangling:
+                self.layer("Silence", dangling, f"{lp.name}/silence", tops=0)
 
     def outputs(self) -> list:
         return [self.blob[v] for v in self.g.outputs]

@@ -32,6 +32,8 @@ def export(module: torch.nn.Module, example_inputs: tuple):
 def _op_name(target) -> str:
     name = getattr(target, "__name__", str(target))          # "conv2d.default"
     base = name.split(".")[0]
+    if base.endswith("_") and not base.startswith("_"):      # in-place variants (relu_, dropout_)
+        base = base[:-1]
     return RENAME.get(base, base)
 
 
