@@ -157,6 +157,8 @@ class Writer:
     def clip(self, x, name, lo=None, hi=None):
         """min(max(x, lo), hi): ReLU6/Clip in forks; in BVLC, ReLUs and Power shifts:
         t = relu(x - lo); y = t - relu(t - (hi - lo)) + lo (exact wherever x is in range)."""
+        lo = None if lo is not None and lo <= -1e30 else lo     # -FLT_MAX guards: no bound
+        hi = None if hi is not None and hi >= 1e30 else hi
         if lo is None and hi is None:
             return x
         if self.dialect == "forks" and lo is not None and hi is not None:

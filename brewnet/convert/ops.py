@@ -171,9 +171,24 @@ HANDLERS["leaky_relu"] = _act(lambda w, n, x, nm: w.relu(x, nm, n.attrs.get("neg
 HANDLERS["relu6"] = _act(lambda w, n, x, nm: w.clip(x, nm, 0.0, 6.0))
 HANDLERS["hardtanh"] = _act(lambda w, n, x, nm: w.clip(x, nm, float(n.attrs.get("min_val", -1)),
                                                        float(n.attrs.get("max_val", 1))))
-HANDLERS["clamp"] = _act(lambda w, n, x, nm: w.clip(
-    x, nm, None if n.attrs.get("min") is None else float(n.attrs["min"]),
-    None if n.attrs.get("max") is None else float(n.attrs["max"])))
+
+
+def _num(w, v):
+    """A bound given as a number or as a one-element constant tensor; None when absent."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        if not w.g.is_const(v) or w.g.consts[v].size != 1:
+            raise Unsupported("with a computed bound has no Caffe mapping")
+        return float(w.g.consts[v].reshape(()))
+    return float(v)
+
+
+HANDLERS["clamp"] = _act(lambda w, n, x, nm: w.clip(x, nm, _num(w, n.attrs.get("min")),
+                                                    _num(w, n.attrs.get("max"))))
+HANDLERS["abs"] = _act(lambda w, n, x, nm: w.layer("AbsVal", [x], nm, shape=w.shape[x]))
+HANDLERS["exp"] = _act(lambda w, n, x, nm: w.layer("Exp", [x], nm, shape=w.shape[x]))
+HANDLERS["log"] = _act(lambda w, n, x, nm: w.layer("Log", [x], nm, shape=w.shape[x]))
 HANDLERS["sigmoid"] = _act(lambda w, n, x, nm: w.layer("Sigmoid", [x], nm, shape=w.shape[x]))
 HANDLERS["tanh"] = _act(lambda w, n, x, nm: w.layer("TanH", [x], nm, shape=w.shape[x]))
 
@@ -193,6 +208,8 @@ def prelu(w, n):
     wt = w.g.consts[n.attrs["weight"]].reshape(-1)
     x = w.x(_in(n))
     p = {"channel_shared": True} if wt.size == 1 and w.shape[x][1] != 1 else {}
+    if p:
+        wt = wt.reshape(())          # Caffe's shared slope is a 0-axis blob
     w.bind(n.outs[0], w.layer("PReLU", [x], w.base(), blobs=[wt], shape=w.shape[x],
                               **({"prelu_param": p} if p else {})))
 
@@ -270,6 +287,12 @@ def adaptive(w, n):
                           shape=shape[:2] + (1, 1),
                           pooling_param={"pool": method, "global_pooling": True})
             return w.bind(n.outs[0], w.reshape(top, want, name))
+        if len(shape) == 4 and dims == [1]:       # over channels: a 1x1 convolution by 1/C
+            wt = np.full((1, shape[1], 1, 1), 1.0 / shape[1], np.float32)
+            top = w.layer("Convolution", [x], name if n.attrs.get("keepdim") else f"{name}/conv",
+                          blobs=[wt], shape=(shape[0], 1) + shape[2:],
+                          convolution_param={"num_output": 1, "bias_term": False, "kernel_size": 1})
+            return w.bind(n.outs[0], w.reshape(top, want, name))
         if dims == list(range(dims[0], len(shape))) and not n.attrs.get("keepdim"):
             top = w.layer("Reduction", [x], name, shape=want, reduction_param={
                 "operation": pb.ReductionParameter.MEAN, "axis": dims[0]})
@@ -310,11 +333,18 @@ def flatten(w, n):
 
 @handles("reshape", "squeeze", "unsqueeze", "expand")
 def reshape(w, n):
-    x = w.x(_in(n))
+    x, name = w.x(_in(n)), w.base()
     want = w.shp(n.outs[0])
     if n.op == "expand" and int(np.prod(want)) != int(np.prod(w.shape[x])):
-        raise Unsupported("that repeats values is written only as a broadcasting operand")
-    w.bind(n.outs[0], w.reshape(x, want, w.base()))
+        s = (1,) * (len(want) - len(w.shape[x])) + tuple(w.shape[x])
+        x = w.reshape(x, s, f"{name}/rank")
+        for i in range(len(want)):              # repeat along the expanded axes
+            if s[i] == 1 and want[i] != 1:
+                t = list(w.shape[x])
+                t[i] = want[i]
+                x = w.layer("Tile", [x], f"{name}/tile{i}", shape=t, tile_param={"axis": i, "tiles": want[i]})
+        return w.bind(n.outs[0], x)
+    w.bind(n.outs[0], w.reshape(x, want, name))
 
 
 @handles("permute")

@@ -103,6 +103,13 @@ def to_graph(ep) -> Graph:
             alias[n.name] = f"{alias.get(src.name, src.name)}#{i}"
             shapes[alias[n.name]] = shapes.get(n.name)
             continue
+        tensor_args = [a for a in n.all_input_nodes]
+        if all(a.name in consts for a in tensor_args) and n.target is not operator.getitem \
+                and isinstance(val, torch.Tensor):      # made from constants only: fold it
+            env = {a.name: torch.as_tensor(consts[a.name]) for a in tensor_args}
+            args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: env[a.name])
+            consts[n.name] = n.target(*args, **kwargs).detach().float().numpy()
+            continue
         op = _op_name(n.target)
         args = {k: _value(v) for k, v in _bind(n).items()}
         if isinstance(val, (list, tuple)):
