@@ -7,6 +7,10 @@ forward (``--max-batch``, ``--max-delay-ms``). Images are prepared as pycaffe's 
 inputs come as JSON, ``.npy`` or raw float32 (``serving/app.py``). SIGTERM stops accepting
 connections and finishes the requests in flight before exiting (``serving/server.py``).
 
+``GET /`` is a demo page (Caffe's ``examples/web_demo``): drop or pick an image, see the top-k with
+their scores and the server's time; with ``--heatmap-blob conv5`` also owl's heatmap of that blob
+over the image (``POST /heatmap``, a PNG).
+
 ``--workers N``: N server processes on one port (uvicorn's supervisor), each with its own copy of
 the net and its own batcher, so the HTTP work of one worker (parsing, decoding: most of a small
 net's request) runs beside the others' on other cores; ``/metrics`` sums over the workers.
@@ -35,7 +39,7 @@ from .common import (
 )
 
 COMMAND = "serve"
-HELP = "serve a classifier over HTTP: POST /predict, GET /healthz, GET /metrics"
+HELP = "serve a classifier over HTTP: POST /predict, GET /healthz, GET /metrics, a demo page at /"
 log = logging.getLogger("brewnet")
 FLAGS_ENV = "BREWNET_SERVE_FLAGS"      # the parent's flags, for the workers (JSON)
 
@@ -50,6 +54,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-delay-ms", type=float, default=5.0,
                    help="how long a request waits for others to batch with (5 ms)")
     p.add_argument("--top-k", type=int, default=5, help="classes per answer (5)")
+    p.add_argument("--heatmap-blob", metavar="BLOB", default=None,
+                   help="an N x C x H x W blob (conv5...): the demo page at / shows owl's heatmap of it "
+                        "over the image (POST /heatmap)")
     add_image_flags(p)
     p.add_argument("--max-body-mb", type=float, default=20.0, help="request body limit (20 MB)")
     p.add_argument("--max-pixels", type=float, default=40e6, help="image size limit (40e6 pixels)")
@@ -114,7 +121,16 @@ def build(args):
     inline = fastest < INLINE_S
     log.info("Net '%s': a forward of %d takes %.1f ms on %d thread(s) (engine %s)", net.name,
              fixed or args.max_batch, fastest * 1e3, torch.get_num_threads(), engine)
-    model = Model(module, name, shape[1:], t, dims, labels, args.top_k, net.name)
+    blob = getattr(args, "heatmap_blob", None)
+    if blob is not None:
+        from ..analysis.features import check_blobs
+
+        check_blobs(net, [blob])
+        if len(net.shapes[blob]) != 4:
+            raise CLIError(f"--heatmap-blob {blob}: its shape is {net.shapes[blob]}; a heatmap needs an "
+                           "N x C x H x W blob (a convolution or pooling output)")
+    model = Model(module, name, shape[1:], t, dims, labels, args.top_k, net.name,
+                  heatmap_net=net if blob is not None else None, heatmap_blob=blob)
     return model, fixed, device, inline
 
 
