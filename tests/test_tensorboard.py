@@ -156,10 +156,13 @@ def test_search_writes_a_run_per_trial_with_its_hparams(tmp_path, capsys):
 
 
 def test_the_dashboard_reads_the_default_journal(tmp_path):
-    """optuna-dashboard opens the journal file brewnet search leaves by default (by its path)."""
+    """optuna-dashboard's own app, given what the printed command gives it (the journal file's
+    path), lists the study brewnet search leaves by default."""
+    import json
+    from wsgiref.util import setup_testing_defaults
+
     optuna = pytest.importorskip("optuna", reason='brewnet search needs Optuna: pip install "brewnet[search]"')
-    storage_url = pytest.importorskip("optuna_dashboard._storage_url",
-                                      reason="optuna-dashboard: pip install 'brewnet[dashboard]'")
+    dashboard = pytest.importorskip("optuna_dashboard", reason="optuna-dashboard: pip install 'brewnet[dashboard]'")
     from brewnet.many import study as st
 
     s = st.load(None, "tiny", str(tmp_path), "maximize")
@@ -167,9 +170,14 @@ def test_the_dashboard_reads_the_default_journal(tmp_path):
         "x": optuna.distributions.FloatDistribution(0, 2)}, value=0.5))
     command = st.dashboard_command(None, str(tmp_path))
     assert command == f"optuna-dashboard {tmp_path / 'study.journal'}"
-    read = storage_url.get_storage(command.split(" ", 1)[1])
-    [summary] = read.get_all_studies()
-    assert summary.study_name == "tiny" and len(read.get_all_trials(summary._study_id)) == 1
+    app = dashboard.wsgi(command.split(" ", 1)[1])
+    environ = {"PATH_INFO": "/api/studies", "REQUEST_METHOD": "GET"}
+    setup_testing_defaults(environ)
+    said = []
+    body = b"".join(app(environ, lambda status, headers, exc=None: said.append(status)))
+    assert said == ["200 OK"]
+    [study] = json.loads(body)["study_summaries"]
+    assert study["study_name"] == "tiny"
 
 
 def test_plot_puts_losses_on_a_log_axis(lenet, tmp_path, capsys, monkeypatch):
