@@ -273,7 +273,7 @@ def reason_key(reason: str) -> str:
     key = re.sub(r'[Ll]ayer "[^"]*"', 'layer "…"', key)
     key = re.sub(r"(layer|blob|Blob|input|top|bottom|name)[ =]'[^']*'", r"\1 '…'", key)
     key = re.sub(r"\S+\.prototxt(:\d+)*", "<prototxt>", key)
-    key = re.sub(r"\d+", "N", key)
+    key = re.sub(r"(?<![A-Za-z_])\d+", "N", key)
     return key
 
 
