@@ -31,6 +31,7 @@ _threads.SPINNING = _spinning     # torch came first: libgomp spins while its th
 from . import layers  # noqa: E402  (also NetSpec's L: layers.Convolution(...))
 from .data import layers as _data_layers  # noqa: E402,F401  (registers Data, ImageData, HDF5Data...)
 from .deploy import to_torch  # noqa: E402
+from .convert import from_onnx, from_torch  # noqa: E402  (PyTorch / ONNX models to Caffe files)
 from .execution.determinism import is_deterministic, set_deterministic  # noqa: E402
 from . import video  # noqa: E402,F401  (brewnet.video.VideoNet)
 from .deploy.surgery import fully_convolutional  # noqa: E402
@@ -60,6 +61,7 @@ __all__ = ["Net", "NetError", "TRAIN", "TEST", "caffe_pb2", "io", "set_mode_cpu"
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "get_solver",
            "Layer", "register_layer", "use_proto", "Classifier", "Detector", "coord_map", "draw", "layers",
            "params", "NetSpec", "to_proto", "to_torch", "merge_indep_net_spec", "merge_nets",
+           "from_torch", "from_onnx",
            "fully_convolutional", "set_deterministic", "is_deterministic", "__version__", "NCCL",
            "has_nccl", "set_solver_count", "set_solver_rank", "set_multiprocess", "solver_count",
            "solver_rank", "init_log", "log", "Timer", "classifier", "detector", "net_spec", "pycaffe"]

@@ -23,6 +23,7 @@ LABELS = {"proto": "proto\\n(schema, I/O, upgrades, FilterNet)", "layers": "laye
           "solvers": "solvers\\n(one module per update rule)", "data": "data\\n(databases, transforms, prefetch)",
           "parallel": "parallel\\n(torch.distributed)", "many": "many\\n(merge, together, fused, search)",
           "deploy": "deploy\\n(to_torch, ONNX, surgery)", "video": "video", "pycaffe": "pycaffe",
+          "convert": "convert\\n(from_torch, from_onnx)",
           "owl": "owl", "tools": "tools\\n(one module per command)", "analysis": "analysis"}
 
 

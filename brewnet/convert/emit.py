@@ -98,6 +98,7 @@ class Writer:
 
     # -- the walk ------------------------------------------------------------------------------
     def run(self):
+        from . import ops_more  # noqa: F401  (registers the rest of the ops)
         from .ops import HANDLERS
 
         for n in self.g.nodes:

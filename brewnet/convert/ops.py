@@ -378,6 +378,4 @@ def channel_permute(w, n):
                               convolution_param={"num_output": c, "bias_term": False, "kernel_size": 1}))
 
 
-from . import ops_more  # noqa: E402,F401  (the rest of the ops register themselves)
-
 __all__ = ["HANDLERS"]
