@@ -206,8 +206,8 @@ def test_eltwise_errors():
         build("Eltwise", "eltwise_param { operation: PROD coeff: 1 coeff: 2 }", [(2,), (2,)])
     with pytest.raises(LayerError, match=r"\(2,\), \(3,\)"):
         build("Eltwise", "", [(2,), (3,)])
-    with pytest.raises(LayerError, match="at least 2"):
-        build("Eltwise", "", [(2,)])
+    with pytest.raises(LayerError, match="at least 2"):   # one bottom: SUM only (FlowNet's)
+        build("Eltwise", "eltwise_param { operation: PROD }", [(2,)])
 
 
 # -- Flatten / Reshape -------------------------------------------------------------------------

@@ -59,6 +59,9 @@ NUMPY_REFERENCE = {
                   "test_layers_forks2.py::test_unpooling_with_mask_last_write_wins_and_gathers_back"],
     "Flip": ["test_layers_forks2.py::test_flip_matches_the_fork"],
     "ContinuationIndicator": ["test_layers_forks2.py::test_continuation_indicator_values_and_checks"],
+    "Correlation": ["test_layers_flow.py::test_correlation_matches_the_forks_kernels",
+                    "test_layers_flow.py::test_correlation_backward_is_the_forks_backward_kernels"],
+    "Warp": ["test_layers_flow.py::test_warp_forward_and_backward_match_the_forks_kernels"],
 }
 
 

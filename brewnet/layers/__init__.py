@@ -6,5 +6,5 @@ Plugins subclass ``Layer`` here and register with ``register_layer`` (see regist
 from .base import Layer, LayerError  # noqa: F401
 from .registry import (LAYERS, create_layer, layer_class, layer_types, load_plugins,  # noqa: F401
                        register, register_layer, unregister_layer)
-from . import (common, data, detection, forks, loss, multibox, neuron, normalization,  # noqa: F401
-               ocr, python, rcnn, recurrent, resample, shape, vision, yolo)
+from . import (common, crop, ctc, data, dense_block, detection, flow, loss, multibox,  # noqa: F401
+               neuron, normalization, python, rcnn, recurrent, resample, shape, vision, yolo)

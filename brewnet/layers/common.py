@@ -167,10 +167,12 @@ class Eltwise(Layer):
     Params: eltwise_param {operation, coeff (SUM; MAX accepts and ignores them, as Caffe),
     stable_prod_grad}. MAX ties: see eltwise_max.
     Differs from Caffe: stable_prod_grad false (x-product / x_i) is not reproduced; PROD always
-    uses the exact product of the other bottoms (Caffe's default, which has no 0/0)."""
+    uses the exact product of the other bottoms (Caffe's default, which has no 0/0).
+    One bottom: SUM only, coeff * x (FlowNet 2.0's Caffe allows one bottom, as PWC-Net's
+    flow * 20 uses; its PROD and MAX would read a second one; BVLC requires two)."""
 
     arithmetic = "elementwise"
-    min_bottoms = 2
+    min_bottoms = 1
     exact_tops = 1
 
     def setup(self, bottom_shapes):
@@ -181,6 +183,9 @@ class Eltwise(Layer):
         if len(p.coeff) and p.operation == Op.PROD:  # Caffe rejects PROD only; MAX ignores them
             raise self.fail("coeff is only allowed for operation SUM (and ignored by MAX)")
         self.coeffs = [f32(c) for c in p.coeff] or [1.0] * len(bottom_shapes)
+        if len(bottom_shapes) == 1 and p.operation != Op.SUM:
+            raise self.fail("takes at least 2 bottom blobs for PROD and MAX (one bottom: SUM "
+                            "only, as FlowNet 2.0's Caffe)")
 
     def reshape(self, bottom_shapes):
         if any(tuple(s) != tuple(bottom_shapes[0]) for s in bottom_shapes):
@@ -189,6 +194,8 @@ class Eltwise(Layer):
 
     def forward(self, bottoms):
         op = self.param.eltwise_param.operation
+        if len(bottoms) == 1:
+            return [bottoms[0] * self.coeffs[0]]
         if op == Op.MAX:
             return [eltwise_max(bottoms)]
         if op == Op.PROD:

@@ -1,4 +1,6 @@
-"""Recurrent layers: RNN, LSTM and the single-step LSTMUnit, with Caffe's exact semantics.
+"""Recurrent layers: RNN, LSTM and the single-step LSTMUnit, with Caffe's exact semantics;
+senlinuc/caffe_ocr's Lstm (Junhyuk's LSTM layer) and warp-ctc caffe's ContinuationIndicator,
+with their forks'.
 
 The parameter blobs are the learnable params of Caffe's unrolled net, in its order (run here as a
 loop over time: docs/internals.md, *Design notes by module*); I = count(x, 2), S = count(x_static, 1):
@@ -14,8 +16,10 @@ tops give h_T [c_T], sharing only data as Caffe: no diff reaches h0/c0, diffs to
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .base import Layer, count
+from .data import SourceLayer
 from .registry import register
 
 
@@ -258,3 +262,98 @@ class LSTMUnit(Layer):
     def forward(self, bottoms):
         c_prev, gates, cont = bottoms
         return list(lstm_unit(c_prev, gates, cont.detach().to(gates.dtype)))
+
+
+@register("Lstm")
+class Lstm(Layer):
+    """caffe_ocr's Lstm (Junhyuk Oh's LSTM, lstm_layer_Junhyuk.cpp/.cu; not BVLC's ``LSTM``).
+
+    Bottom x (T, N, I) -> top h (T, N, H), H = lstm_param.num_output. Blobs: W_i (4H, I),
+    W_h (4H, H), b (4H), gates in the order i, f, o, g. For each t, with h_0 = c_0 = 0:
+
+        a_t = W_i x_t + b + [t > 0] W_h h_{t-1}
+        i, f, o = sigmoid(a_i, a_f, a_o), g = tanh(a_g), f = 0 at t = 0
+        c_t = f c_{t-1} + i g,  h_t = o tanh(c_t)
+
+    Backward: autograd, the fork's formula; with clipping_threshold > 0 the gradient of each a_t is
+    bounded to [-threshold, threshold] before it goes on (to W_i, W_h, b, x and h_{t-1}), as the
+    fork does. The fork's CPU forward adds sample 0's W_h h_{t-1} to every sample of a batch (it
+    never advances that pointer); its GPU forward, followed here, adds each sample's own; they
+    agree for N = 1. The fork's optional second bottom (a clip blob continuing the previous
+    forward's state) is not supported: its deploy nets have one bottom.
+    """
+
+    exact_bottoms = 1
+    exact_tops = 1
+    in_place_ok = False
+
+    def setup(self, bottom_shapes):
+        p = self.param.lstm_param
+        x = tuple(bottom_shapes[0])
+        if len(x) < 3:
+            raise self.fail(f"needs a (T, N, I) bottom, got {x}")
+        self.hidden = int(p.num_output)
+        if self.hidden <= 0:
+            raise self.fail("lstm_param.num_output must be > 0")
+        self.input_dim = int(x[2])
+        h = self.hidden
+        self.blobs = [self.new_blob((4 * h, self.input_dim), p.weight_filler),
+                      self.new_blob((4 * h, h), p.weight_filler),
+                      self.new_blob((4 * h,), p.bias_filler)]
+        self.clipping_threshold = float(p.clipping_threshold)
+
+    def reshape(self, bottom_shapes):
+        x = tuple(bottom_shapes[0])
+        if len(x) < 3 or x[2] != self.input_dim or count(x, 2) != x[2]:
+            raise self.fail(f"bottom {x} is not (T, N, {self.input_dim})")
+        return [(x[0], x[1], self.hidden)]
+
+    def forward(self, bottoms):
+        x = bottoms[0]
+        steps, n = x.shape[0], x.shape[1]
+        w_i, w_h, b = self.blobs
+        pre = F.linear(x.reshape(steps, n, -1), w_i, b)
+        thr = self.clipping_threshold
+        hs, h, c = [], None, None
+        for t in range(steps):
+            a = pre[t] if t == 0 else pre[t] + F.linear(h, w_h)
+            if thr > 0 and a.requires_grad:
+                a.register_hook(lambda d: d.clamp(-thr, thr))
+            a_i, a_f, a_o, a_g = a.chunk(4, dim=-1)
+            i, o, g = torch.sigmoid(a_i), torch.sigmoid(a_o), torch.tanh(a_g)
+            c = i * g if t == 0 else torch.sigmoid(a_f) * c + i * g
+            h = o * torch.tanh(c)
+            hs.append(h)
+        return [torch.stack(hs)]
+
+    def flops(self, bottom_shapes, top_shapes):
+        steps, n = bottom_shapes[0][:2]
+        return 2 * steps * n * 4 * self.hidden * (self.input_dim + self.hidden)
+
+    def extra_repr(self):
+        return f"hidden={self.hidden}, input={self.input_dim}"
+
+
+@register("ContinuationIndicator")
+class ContinuationIndicator(SourceLayer):
+    """warp-ctc caffe's ContinuationIndicator (xmfbit/warpctc-caffe): no bottom; top
+    (time_step, batch_size), 0 at t = 0 and 1 after: the sequence-continuation input of LSTM."""
+
+    exact_tops = 1
+    arithmetic = "exact"
+
+    def setup(self, bottom_shapes):
+        p = self.param.continuation_indicator_param
+        self.shape = (p.time_step, p.batch_size)
+        if p.batch_size <= 0:
+            raise self.fail("The batch size should be greater than 0.")
+        if p.time_step <= 0:
+            raise self.fail("The time step should be greater than 0.")
+
+    def reshape(self, bottom_shapes):
+        return [self.shape]
+
+    def forward(self, bottoms):
+        top = torch.ones(self.shape, dtype=self.dtype, device=self.device)
+        top[0] = 0
+        return [top]

@@ -1,6 +1,6 @@
 """Resampling layers of the segmentation and YOLO forks: Interp (DeepLab v2 / PSPNet bilinear
 resize, corners aligned) and Upsample (SegNet's unpooling with the max-pooling mask, or the YOLO
-ports' nearest-neighbour upsampling)."""
+ports' nearest-neighbour upsampling) and DeconvNet's Unpooling (MAX by mask, AVE, TILE)."""
 from __future__ import annotations
 
 import torch
@@ -149,3 +149,115 @@ class Upsample(Layer):
                             "(check the scale against the pooling layer that made the mask)")
         top = _Unpool.apply(x.cpu() if x.device.type != "cpu" else x, idx, size)
         return [top.reshape(out).to(x.device)]
+
+
+class _Spread(torch.autograd.Function):
+    """top = Fh^T x Fw per plane; backward Bh g Bw^T (the fork's TILE backward divides by the
+    window size though its forward does not: B differs from F there)."""
+
+    @staticmethod
+    def forward(ctx, x, fh, fw, bh, bw):
+        ctx.save_for_backward(bh, bw)
+        return torch.einsum("nchw,hH,wW->ncHW", x, fh.to(x.dtype), fw.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        bh, bw = ctx.saved_tensors
+        return torch.einsum("ncHW,hH,wW->nchw", g, bh.to(g.dtype), bw.to(g.dtype)), None, None, None, None
+
+
+@register("Unpooling")
+class Unpooling(Layer):
+    """DeconvNet's unpooling (HyeonwooNoh/caffe unpooling_layer.cpp), V1 type UNPOOLING.
+
+    Bottom x (N, C, H, W) [and, MAX only, the pooling mask of the same shape: flat indices into
+    each output plane, as Pooling's second top]. Top (N, C, Hu, Wu): unpool_size or
+    unpool_h/unpool_w, one of which the fork requires (its Reshape's default size,
+    max((H - 1) * stride + kernel, H * stride + 1), is never reached). MAX: each value to its
+    mask index (a later one winning a repeat), or without a mask to (min(ph * stride, Hu - 1),
+    min(pw * stride, Wu - 1)); the rest 0. AVE: each value / window size added over its
+    window (clipped to the output; the size counts the unclipped extent up to Hu + pad).
+    TILE: each value added over its window.
+    Gradient: MAX reads the top gradient back at each index; AVE and TILE sum it over the window
+    divided by the window size (TILE too, as the fork's backward). The fork allows pad 0 only.
+    """
+
+    min_bottoms = 1
+    max_bottoms = 2
+    exact_tops = 1
+    in_place_ok = False
+
+    def allow_backward(self, bottom_index):
+        return bottom_index == 0
+
+    def setup(self, bottom_shapes):
+        p = self.param.unpooling_param
+        has = p.HasField
+        if has("kernel_size") == (has("kernel_h") and has("kernel_w")):
+            raise self.fail("filter size is kernel_size OR kernel_h and kernel_w; not both")
+        if (has("pad") and (has("pad_h") or has("pad_w"))) or has("pad_h") != has("pad_w"):
+            raise self.fail("pad is pad OR pad_h and pad_w")
+        if (has("stride") and (has("stride_h") or has("stride_w"))) or has("stride_h") != has("stride_w"):
+            raise self.fail("stride is stride OR stride_h and stride_w")
+        if has("unpool_size") == (has("unpool_h") and has("unpool_w")) or has("unpool_h") != has("unpool_w"):
+            raise self.fail("the output size is unpool_size OR unpool_h and unpool_w (the fork "
+                            "requires one)")
+        self.kernel = (p.kernel_size,) * 2 if has("kernel_size") else (p.kernel_h, p.kernel_w)
+        self.pad = (p.pad_h, p.pad_w) if has("pad_h") else (p.pad,) * 2
+        self.stride = (p.stride_h, p.stride_w) if has("stride_h") else (p.stride,) * 2
+        if min(self.kernel) <= 0:
+            raise self.fail(f"filter dimensions cannot be zero, got {self.kernel}")
+        if any(self.pad):
+            raise self.fail("only zero padding is allowed (the fork's check)")
+        if min(self.stride) <= 0:
+            raise self.fail(f"stride must be positive, got {self.stride}")
+        self.method = p.unpool
+        if len(bottom_shapes) == 2 and self.method != p.MAX:
+            raise self.fail("only MAX unpooling takes a mask bottom")
+        self.size = (p.unpool_size,) * 2 if has("unpool_size") else (p.unpool_h, p.unpool_w)
+        if min(self.size) <= 0:
+            raise self.fail(f"the output size must be positive, got {self.size}")
+
+    def reshape(self, bottom_shapes):
+        x = tuple(bottom_shapes[0])
+        if len(x) != 4:
+            raise self.fail(f"bottom must be (N, C, H, W), got {x}")
+        if len(bottom_shapes) == 2 and tuple(bottom_shapes[1]) != x:
+            raise self.fail(f"the mask {tuple(bottom_shapes[1])} must be shaped as x {x}")
+        return [x[:2] + self.size]
+
+    def _windows(self, n, out, k, s, pad, dtype):
+        """(n, out) matrices: the window indicator, and indicator / window extent."""
+        f = torch.zeros(n, out, dtype=dtype)
+        b = torch.zeros(n, out, dtype=dtype)
+        for i in range(n):
+            start = i * s - pad
+            end = min(start + k, out + pad)
+            extent = end - start
+            lo, hi = max(start, 0), min(end, out)
+            f[i, lo:hi] = 1
+            b[i, lo:hi] = 1 / extent
+        return f, b
+
+    def forward(self, bottoms):
+        x = bottoms[0]
+        n, c, h, w = x.shape
+        hu, wu = self.size
+        MAX, AVE = self.param.unpooling_param.MAX, self.param.unpooling_param.AVE
+        if self.method == MAX:
+            if len(bottoms) == 2:
+                idx = bottoms[1].detach().to("cpu", torch.int64)
+                if idx.numel() and (int(idx.max()) >= hu * wu or int(idx.min()) < 0):
+                    raise self.fail(f"mask index out of range for a {hu}x{wu} output")
+            else:
+                rows = (torch.arange(h) * self.stride[0] - self.pad[0]).clamp(0, hu - 1)
+                cols = (torch.arange(w) * self.stride[1] - self.pad[1]).clamp(0, wu - 1)
+                idx = (rows[:, None] * wu + cols[None, :]).expand(n, c, h, w)
+            top = _Unpool.apply(x.cpu() if x.device.type != "cpu" else x, idx, hu * wu)
+            return [top.reshape(n, c, hu, wu).to(x.device)]
+        fh, bh = self._windows(h, hu, self.kernel[0], self.stride[0], self.pad[0], torch.float64)
+        fw, bw = self._windows(w, wu, self.kernel[1], self.stride[1], self.pad[1], torch.float64)
+        if self.method == AVE:
+            fh, fw = bh, bw
+        dev = x.device
+        return [_Spread.apply(x, fh.to(dev), fw.to(dev), bh.to(dev), bw.to(dev))]

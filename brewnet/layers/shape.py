@@ -1,6 +1,6 @@
-"""Routing and shape layers: Concat, Slice, Split, Flatten, Reshape, Crop, Tile, Filter,
-BatchReindex, Silence, and the SSD fork's Permute. They move or select values; none computes
-anything new.
+"""Routing and shape layers: Concat, Slice, Split, Flatten, Reshape, Tile, Filter,
+BatchReindex, Silence, the SSD fork's Permute, caffe_ocr's Transpose and Reverse and happynear's
+Flip. They move or select values; none computes anything new.
 
 ``reshape_shape`` holds Caffe's Reshape rule (0 copies a dim, -1 infers one) and is tested alone.
 """
@@ -174,48 +174,6 @@ class Reshape(Layer):
         return [x.reshape(self.reshape([x.shape])[0])]
 
 
-@register("Crop")
-class Crop(Layer):
-    """Crop bottom 0 to bottom 1's shape on the axes from ``axis`` on.
-    Shapes: (A..., B...) , (_, C...) -> (A..., C...). Params: crop_param {axis, offset: none ->
-    0, one -> for every cropped axis, else one per cropped axis}. Bottom 1 gets no diff."""
-
-    routing = True
-    exact_bottoms = 2
-    exact_tops = 1
-
-    def allow_backward(self, bottom_index):
-        return bottom_index == 0
-
-    def reshape(self, bottom_shapes):
-        s, ref = tuple(bottom_shapes[0]), tuple(bottom_shapes[1])
-        if len(s) != len(ref):
-            raise self.fail(f"bottoms must have the same number of axes, got {s} and {ref}")
-        p = self.param.crop_param
-        start = canonical_axis(p.axis, len(s), self)
-        offs = list(p.offset)
-        if len(offs) > 1 and len(offs) != len(s) - start:
-            raise self.fail(f"{len(offs)} offsets for {len(s) - start} cropped axes (shape {s}, "
-                            f"axis {start})")
-        self.slices, top = [], []
-        for i in range(len(s)):
-            if i < start:
-                off, size = 0, s[i]
-            else:
-                off = offs[0] if len(offs) == 1 else offs[i - start] if offs else 0
-                size = ref[i]
-                if s[i] - off < size:
-                    raise self.fail(f"axis {i}: offset {off} + crop size {size} exceeds bottom "
-                                    f"shape {s} (reference shape {ref})")
-            self.slices.append(slice(off, off + size))
-            top.append(size)
-        return [tuple(top)]
-
-    def forward(self, bottoms):
-        self.reshape([bottoms[0].shape, bottoms[1].shape])
-        return [bottoms[0][tuple(self.slices)]]
-
-
 @register("Tile")
 class Tile(Layer):
     """Repeat the block of axes >= ``axis`` ``tiles`` times along ``axis``.
@@ -376,3 +334,79 @@ class ShuffleChannel(Rearrange):
         n, c = x.shape[:2]
         g = x.reshape(n, self.group, c // self.group, -1).transpose(1, 2)
         return [g.reshape(x.shape)]
+
+
+@register("Transpose")
+class Transpose(Rearrange):
+    """caffe_ocr's Transpose: top axis i is bottom axis dim[i] (transpose_layer.cpp's
+    transpose_cpu: to_index = sum_i from_inds[dim[i]] * to_counts[i]).
+
+    Bottom of any rank -> top of the same rank. Params: transpose_param.dim (one per bottom axis,
+    a permutation). Gradient: the inverse permutation.
+    """
+
+    def setup(self, bottom_shapes):
+        self.dims = [int(d) for d in self.param.transpose_param.dim]
+        if sorted(self.dims) != list(range(len(self.dims))):
+            raise self.fail(f"transpose_param.dim {self.dims} is not a permutation of 0..{len(self.dims) - 1}")
+
+    def reshape(self, bottom_shapes):
+        shape = tuple(bottom_shapes[0])
+        if len(shape) != len(self.dims):
+            raise self.fail(f"transpose_param has {len(self.dims)} dims for a {len(shape)}-D bottom {shape}")
+        return [tuple(shape[d] for d in self.dims)]
+
+    def forward(self, bottoms):
+        return [bottoms[0].permute(self.dims).contiguous()]
+
+    def extra_repr(self):
+        return f"dims={self.dims}"
+
+
+@register("Reverse")
+class Reverse(Rearrange):
+    """caffe_ocr's Reverse: the bottom flipped along reverse_param.axis (default 0, the time axis;
+    the fork requires 0 <= axis < num_axes, no negative axes). Top shaped as the bottom, never in
+    place. Gradient: the same flip (reverse_layer.cpp's Backward_cpu)."""
+
+    def setup(self, bottom_shapes):
+        self.axis = self.param.reverse_param.axis
+        if self.axis < 0:
+            raise self.fail(f"reverse_param.axis must be >= 0, got {self.axis}")
+
+    def reshape(self, bottom_shapes):
+        shape = tuple(bottom_shapes[0])
+        if self.axis >= len(shape):
+            raise self.fail(f"axis {self.axis} out of range for a {len(shape)}-D bottom {shape}")
+        return [shape]
+
+    def forward(self, bottoms):
+        return [bottoms[0].flip(self.axis)]
+
+    def extra_repr(self):
+        return f"axis={self.axis}"
+
+
+@register("Flip")
+class Flip(Layer):
+    """happynear's Flip (caffe-windows flip_layer.cpp): (N, C, H, W) mirrored along W
+    (flip_width, default true) and/or H (flip_height). Blobs of fewer axes read as Caffe's legacy
+    num/channels/height/width (missing ones 1). Gradient: the top gradient flipped back."""
+
+    exact_bottoms = 1
+    exact_tops = 1
+    routing = True
+    arithmetic = "elementwise"
+    in_place_ok = False
+
+    def reshape(self, bottom_shapes):
+        x = tuple(bottom_shapes[0])
+        if len(x) > 4:
+            raise self.fail(f"bottom must have at most 4 axes (N, C, H, W), got {x}")
+        return [x]
+
+    def forward(self, bottoms):
+        x = bottoms[0]
+        p = self.param.flip_param
+        dims = [d for d, on in ((2, p.flip_height), (3, p.flip_width)) if on and d < x.dim()]
+        return [x.flip(dims) if dims else x.clone()]

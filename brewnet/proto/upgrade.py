@@ -448,6 +448,9 @@ FORK_NUMBERS = [
     (("DenseBlock",), 147, "swish_param", "denseblock_param", "caffe_ocr"),
     (("ContinuationIndicator",), 201, "multibox_loss_param", "continuation_indicator_param",
      "warp-ctc caffe"),
+    # lmb-freiburg/flownet2 (476d400), PWC-Net's Caffe: correlation_param at 150, the YOLO ports'
+    # upsample_param here (lossless there: UpsampleParameter's pad_out_h/w at 4/5 are enums).
+    (("Correlation",), 150, "upsample_param", "correlation_param", "FlowNet 2.0 / PWC-Net"),
 ]
 _SEGNET_BN_MODE = 3   # SegNet's BNParameter.bn_mode: a varint where PSPNet's momentum is a float
 

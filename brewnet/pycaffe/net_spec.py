@@ -41,6 +41,9 @@ def assign(msg, name: str, value) -> None:
         for k, v in value.items():
             assign(sub, k, v)
     else:
+        field = msg.DESCRIPTOR.fields_by_name.get(name)
+        if isinstance(value, bool) and field is not None and field.enum_type is not None:
+            value = int(value)   # brewnet's bool-like enums (pad_out_h, reverse) take True/False
         try:
             setattr(msg, name, value)
         except AttributeError:   # a repeated scalar given one value
