@@ -127,6 +127,43 @@ def inputs_for(net) -> dict:
     return xs
 
 
+LIST_DATA = {"ImageData": "image_data_param", "DenseImageData": "dense_image_data_param"}
+
+
+def feed_data_layers(path: Path, entry: dict, folder: Path) -> Path:
+    """``path`` itself, or, where the net reads images named in a list file (ImageData,
+    SegNet's DenseImageData) whose source is the publisher's own dataset, a copy in ``folder``
+    whose lists name two random images made there (the entry's ``input_shape`` (C, H, W); label
+    images of values 0..10 beside them for DenseImageData) at batch 1."""
+    from brewnet.proto import caffe_pb2 as pb
+    from brewnet.proto.io import read_text, write_text
+
+    net = read_text(path, pb.NetParameter())
+    layers = [la for la in net.layer if la.type in LIST_DATA]
+    if not layers:
+        return path
+    import cv2
+
+    c, h, w = entry.get("input_shape") or (3, 32, 32)
+    rng = np.random.default_rng(SEED + 2)
+    pairs = []
+    for i in range(2):
+        img = rng.integers(0, 256, (h, w, 3) if c == 3 else (h, w), dtype=np.uint8)
+        lab = rng.integers(0, 11, (h, w), dtype=np.uint8)
+        cv2.imwrite(str(folder / f"image{i}.png"), img)
+        cv2.imwrite(str(folder / f"label{i}.png"), lab)
+        pairs.append((f"image{i}.png", f"label{i}.png", str(i)))
+    for layer in layers:
+        p = getattr(layer, LIST_DATA[layer.type])
+        dense = layer.type == "DenseImageData"
+        lst = folder / f"{layer.name}.txt"
+        lst.write_text("".join(f"{a} {b if dense else n}\n" for a, b, n in pairs))
+        p.source, p.root_folder, p.batch_size = str(lst), str(folder) + "/", 1
+    out = folder / path.name
+    write_text(out, net)
+    return out
+
+
 def one(name: str) -> dict:
     import brewnet
 
@@ -136,6 +173,10 @@ def one(name: str) -> dict:
     row = {"name": name, "category": entry["category"], "repo": entry.get("repo", ""),
            "path": entry["path"], "brewnet": None, "opencv": None, "compare": [], "agree": None}
     folder = Path(tempfile.mkdtemp(prefix="load_all-"))
+    try:
+        path = feed_data_layers(path, entry, folder)
+    except Exception as e:  # noqa: BLE001 - brewnet's own read below says why
+        row["data"] = first_line(e)
     weights = folder / "w.caffemodel"
     stage = "build"
     net = None

@@ -62,6 +62,10 @@ NUMPY_REFERENCE = {
     "Correlation": ["test_layers_flow.py::test_correlation_matches_the_forks_kernels",
                     "test_layers_flow.py::test_correlation_backward_is_the_forks_backward_kernels"],
     "Warp": ["test_layers_flow.py::test_warp_forward_and_backward_match_the_forks_kernels"],
+    "DenseImageData": ["test_dense_image_data.py::test_reads_pairs_as_tokens_and_wraps",    # cv2.imread pixels
+                       "test_dense_image_data.py::test_mirror_and_crop_move_image_and_label_together"],
+    "SpatialDropout": ["test_spatial_dropout.py::test_train_branch_drops_whole_channels",   # the fork's loops
+                       "test_spatial_dropout.py::test_test_branch_scales_by_one_over_one_minus_p"],
 }
 
 

@@ -5,7 +5,8 @@ commit and licence: SOURCES.md); ``path``, relative to the repository root (vend
 benchmarks/zoo/nets/, the test data under tests/data/, or the shared data as ../shared/caffe-models/...,
 which may be absent: see ``available``); ``category``; ``input_shape``, (C, H, W) to reshape the first
 input to at batch 1, only where the prototxt's own shape is a placeholder or a training patch (None:
-the prototxt's shape, batch set to 1); ``opencv``, whether OpenCV 4.14 ``cv2.dnn.readNetFromCaffe``
+the prototxt's shape, batch set to 1); for a net that reads an image list (DenseImageData), the size
+of the images load_all.py makes for it; ``opencv``, whether OpenCV 4.14 ``cv2.dnn.readNetFromCaffe``
 loaded it and ran one forward with random weights saved by brewnet (None: not recorded here, see
 benchmarks/results/load_all.txt); ``note``.
 
@@ -431,12 +432,12 @@ NETS = [
          note="SegNet (VGG-16 encoder-decoder) of the driving web demo, 360x480: caffe-segnet's BN and Upsample (pooling-mask unpooling) layers."),
     dict(name='segnet_basic', repo='alexgkendall/SegNet-Tutorial',
          path='benchmarks/zoo/nets/segnet_basic.prototxt',
-         category='segmentation', input_shape=None, opencv=None,
-         note='SegNet-Basic CamVid inference net (the project publishes no deploy for it): a DenseImageData data layer reading a file list, BN, LRN, Upsample.'),
+         category='segmentation', input_shape=(3, 360, 480), opencv=None,
+         note="SegNet-Basic CamVid inference net (the project publishes no deploy for it): a DenseImageData data layer reading a file list, BN, LRN, Upsample. Its list names CamVid (not here): load_all.py points it at two random 360x480 image/label PNG pairs it writes (input_shape: CamVid's size), at batch 1."),
     dict(name='bayesian_segnet', repo='alexgkendall/SegNet-Tutorial',
          path='benchmarks/zoo/nets/bayesian_segnet.prototxt',
-         category='segmentation', input_shape=None, opencv=None,
-         note='Bayesian SegNet CamVid inference net (Monte-Carlo dropout kept at test): DenseImageData data layer, BN, Upsample, Dropout.'),
+         category='segmentation', input_shape=(3, 360, 480), opencv=None,
+         note="Bayesian SegNet CamVid inference net (Monte-Carlo dropout kept at test): DenseImageData data layer, BN, Upsample, Dropout. Its list names CamVid (not here): load_all.py points it at two random 360x480 image/label PNG pairs it writes (input_shape: CamVid's size), at batch 1."),
     dict(name='dilation8_pascal_voc', repo='fyu/dilation',
          path='benchmarks/zoo/nets/dilation8_pascal_voc.prototxt',
          category='segmentation', input_shape=None, opencv=None,

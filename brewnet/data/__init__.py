@@ -8,5 +8,5 @@ from .prefetch import Prefetcher, plan_threads  # noqa: F401
 from .transform import DataTransformer  # noqa: F401
 
 # The disk-reading layer types, registered with brewnet.layers: Data, ImageData, AnnotatedData,
-# HDF5Data, HDF5Output, WindowData.
-from . import annotated, hdf5, layers, window  # noqa: E402,F401
+# HDF5Data, HDF5Output, WindowData, DenseImageData (SegNet).
+from . import annotated, dense, hdf5, layers, window  # noqa: E402,F401

@@ -43,10 +43,12 @@ def decode_image(buf, color: bool | None = None) -> np.ndarray:
     return cv2.imdecode(arr, flag) if arr.size else None
 
 
-def read_image(path, height: int = 0, width: int = 0, color: bool = True) -> np.ndarray:
+def read_image(path, height: int = 0, width: int = 0, color: bool = True,
+               nearest: bool = False) -> np.ndarray:
     """Caffe's ``ReadImageToCVMat``: (H, W, 3) BGR or (H, W) gray uint8, resized with bilinear
-    interpolation to ``height`` x ``width`` when both are positive. Raises OSError when the
-    file is missing or does not decode."""
+    interpolation (``nearest``: nearest neighbour, as caffe-segnet reads label images) to
+    ``height`` x ``width`` when both are positive. Raises OSError when the file is missing or
+    does not decode."""
     try:
         raw = np.fromfile(os.fspath(path), np.uint8)
     except OSError as e:
@@ -55,7 +57,8 @@ def read_image(path, height: int = 0, width: int = 0, color: bool = True) -> np.
     if img is None:
         raise OSError(f"could not decode image file {path} ({raw.size} bytes)")
     if height > 0 and width > 0:
-        img = cv().resize(img, (width, height), interpolation=cv().INTER_LINEAR)
+        interp = cv().INTER_NEAREST if nearest else cv().INTER_LINEAR
+        img = cv().resize(img, (width, height), interpolation=interp)
     return img
 
 

@@ -290,7 +290,8 @@ class ReLU6(Neuron):
 class Dropout(Neuron):
     """TRAIN: x * Bernoulli(1 - ratio) mask / (1 - ratio); TEST: identity. Shapes: any -> same.
     Params: dropout_param.dropout_ratio in (0, 1), scale_train (the fork field: false moves the
-    scaling to TEST, x * (1 - ratio)). The phase is the layer's (net's) phase."""
+    scaling to TEST, x * (1 - ratio)), sample_weights_test (caffe-segnet's: TEST drops as TRAIN
+    does, Bayesian SegNet's Monte-Carlo dropout). The phase is the layer's (net's) phase."""
 
     def setup(self, bottom_shapes):
         r = self.param.dropout_param.dropout_ratio
@@ -299,5 +300,35 @@ class Dropout(Neuron):
 
     def forward(self, bottoms):
         ratio = f32(self.param.dropout_param.dropout_ratio)
-        return [dropout(bottoms[0], ratio, self.phase == pb.TRAIN,
-                        self.param.dropout_param.scale_train)]
+        p = self.param.dropout_param
+        return [dropout(bottoms[0], ratio, self.phase == pb.TRAIN or p.sample_weights_test,
+                        p.scale_train)]
+
+
+@register("SpatialDropout")
+class SpatialDropout(Neuron):
+    """ENet's SpatialDropout, its Python layer built in (TimoSaemann/caffe-enet 22d356c,
+    python/spatial_dropout.py, SpatialDropoutLayer). TRAIN: whole channels dropped, a Bernoulli(1 - p)
+    keep draw per (sample, channel), x * keep * 1/(1-p); any other phase: x * 1/(1-p) (the fork's
+    code scales at TEST too, so its deploy outputs are not the identity's). Shapes: (N, C, ...) ->
+    same. Params: dropout_param.dropout_ratio (its ``p``, in (0, 1)). The phase is the layer's;
+    ENet's Python layer takes it from its param_str (python.py maps it).
+    Differs from the fork: the gradient is x's true one, each sample through its own mask (the
+    fork's backward reuses the last sample's mask for every sample of the batch)."""
+
+    def setup(self, bottom_shapes):
+        r = self.param.dropout_param.dropout_ratio
+        if not 0 < r < 1:
+            raise self.fail(f"p (dropout_ratio) must be between 0 and 1, got {r}")
+        if len(bottom_shapes[0]) < 2:
+            raise self.fail(f"bottom must have a channel axis, got shape {bottom_shapes[0]}")
+
+    def forward(self, bottoms):
+        x = bottoms[0]
+        p = float(self.param.dropout_param.dropout_ratio)
+        scale = f32(1.0 / (1.0 - p))
+        if self.phase != pb.TRAIN:
+            return [x * scale]
+        keep = torch.empty(x.shape[:2] + (1,) * (x.dim() - 2), dtype=x.dtype,
+                           device=x.device).bernoulli_(1.0 - p)
+        return [x * (keep * scale)]

@@ -9,21 +9,47 @@ propagate_down, bottom)`` for gradients, on pycaffe Blobs (numpy ``data``/``diff
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import logging
 
 import torch
 
 from ..blob import Blob, ParamBlob
+from ..proto import caffe_pb2 as pb
 from .base import Layer as _Layer
 from .rcnn import proposal_param_from_python
 from .registry import layer_class, register
 
 log = logging.getLogger("brewnet")
+
+
+def spatial_dropout_from_python(param, phase: int):
+    """ENet's ``spatial_dropout.SpatialDropoutLayer`` (TimoSaemann/caffe-enet 22d356c,
+    python/spatial_dropout.py) as the built-in SpatialDropout: its param_str
+    ``{'phase': 'TEST', 'p': '0.01'}`` gives dropout_ratio and the phase, which the fork's layer
+    takes from param_str, not from the net (any phase but 'TRAIN' runs its TEST branch)."""
+    text = param.python_param.param_str.strip()
+    try:
+        d = ast.literal_eval(text)
+        p, when = float(d["p"]), d["phase"]
+    except (ValueError, SyntaxError, KeyError, TypeError) as e:
+        raise ValueError(f"Layer '{param.name}': python_param.param_str {text!r} is not "
+                         f"spatial_dropout's (\"{{'phase': 'TEST', 'p': '0.01'}}\"): {e}") from None
+    out = pb.LayerParameter()
+    out.CopyFrom(param)
+    out.type = "SpatialDropout"
+    out.ClearField("python_param")
+    out.dropout_param.dropout_ratio = p
+    return out, pb.TRAIN if when == "TRAIN" else pb.TEST
+
+
 # Python layers of well-known fork nets that brewnet has built in: (module, class) -> a function
-# of (LayerParameter, phase) giving the built-in layer's LayerParameter. Used when the module is
-# not importable (a user's own module of that name always wins).
-BUILT_IN = {("rpn.proposal_layer", "ProposalLayer"): proposal_param_from_python}
+# of (LayerParameter, phase) giving the built-in layer's LayerParameter (or it and the phase the
+# built-in runs in, where the fork's layer takes its phase from param_str). Used when the module
+# is not importable (a user's own module of that name always wins).
+BUILT_IN = {("rpn.proposal_layer", "ProposalLayer"): proposal_param_from_python,
+            ("spatial_dropout", "SpatialDropoutLayer"): spatial_dropout_from_python}
 _said: set[tuple[str, str]] = set()
 
 
@@ -100,7 +126,8 @@ class PythonLayer(_Layer):
 
     Bottoms/tops: whatever the class says; top shapes set in its setup, reshape or forward stand
     until it changes them. Blobs: those it adds with ``self.blobs.add_blob``. A class brewnet
-    has built in (``BUILT_IN``: py-faster-rcnn's ``rpn.proposal_layer``) runs on the built-in
+    has built in (``BUILT_IN``: py-faster-rcnn's ``rpn.proposal_layer``, ENet's
+    ``spatial_dropout``) runs on the built-in
     layer when its module is not importable, saying so once. Differs from Caffe: bottoms are
     handed over as copies (CPU, float32), so a class that writes into its bottoms does not
     change the net's blobs; exceptions from the class propagate as they are (Caffe's pycaffe
@@ -137,12 +164,13 @@ class PythonLayer(_Layer):
             lp = make(self.param, self.phase)
         except ValueError as e:
             raise self.fail(str(e)) from None
+        lp, phase = lp if isinstance(lp, tuple) else (lp, self.phase)
         if (p.module, p.layer) not in _said:
             _said.add((p.module, p.layer))
             log.warning("Python layer %s.%s is not importable (%s); layer '%s' and any other "
                         "naming it run on brewnet's built-in %s", p.module, p.layer, why,
                         self.name, lp.type)
-        self.builtin = layer_class(lp.type, self.name)(lp, self.phase)
+        self.builtin = layer_class(lp.type, self.name)(lp, phase)
         self.builtin.setup(bottom_shapes)
 
     def allow_backward(self, i):

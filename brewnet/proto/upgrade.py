@@ -451,6 +451,7 @@ FORK_NUMBERS = [
     # lmb-freiburg/flownet2 (476d400), PWC-Net's Caffe: correlation_param at 150, the YOLO ports'
     # upsample_param here (lossless there: UpsampleParameter's pad_out_h/w at 4/5 are enums).
     (("Correlation",), 150, "upsample_param", "correlation_param", "FlowNet 2.0 / PWC-Net"),
+    (("DenseImageData",), 138, "tile_param", "dense_image_data_param", "SegNet"),
 ]
 _SEGNET_BN_MODE = 3   # SegNet's BNParameter.bn_mode: a varint where PSPNet's momentum is a float
 
