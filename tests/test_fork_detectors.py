@@ -327,17 +327,16 @@ def test_faceboxes_deploy_runs_through_detection_output():
                                           faceboxes_ref(lp.prior_box_param, h, w, 640, 480))
 
 
-def test_textboxes_plusplus_deploy_priors_match_its_loc_branch():
+def test_textboxes_plusplus_deploy_runs_through_its_polygon_detection_output():
     # TextBoxes++' deploy names its layout (denser_prior_boxes); its DetectionOutput decodes 12
-    # numbers a prior (box + quadrilateral), which brewnet's SSD DetectionOutput does not: the
-    # net runs here up to its priors and predictions (384 x 384, its training size).
+    # numbers a prior (box + quadrilateral, use_polygon): rows of 15 against the loop from the
+    # fork's code (test_textboxes_pp_output.py), on the net's own blobs (384 x 384, its
+    # training size).
+    from tests.test_textboxes_pp_output import textboxes_pp_ref as polygon_output_ref
+
     param = _deploy("textboxes_plusplus_deploy.prototxt", (384, 384))
     assert set(_layouts(param).values()) == {pb.PriorBoxParameter.SSD}
-    with pytest.raises(Exception, match="use_polygon"):
-        caffe.Net(param, caffe.TEST)
-    keep = pb.NetParameter(name=param.name)
-    keep.layer.extend(lp for lp in param.layer if lp.type != "DetectionOutput")
-    net = _run(keep, np.random.default_rng(3))
+    net = _run(param, np.random.default_rng(3))
     n = net.blobs["mbox_priorbox"].data.shape[2] // 4
     assert net.blobs["mbox_loc"].data.shape[1] == 12 * n
     assert net.blobs["mbox_conf_flatten"].data.shape[1] == 2 * n
@@ -346,3 +345,12 @@ def test_textboxes_plusplus_deploy_priors_match_its_loc_branch():
             h, w = net.blobs[lp.bottom[0]].data.shape[2:]
             np.testing.assert_array_equal(net.blobs[lp.top[0]].data[0],
                                           textboxes_pp_ref(lp.prior_box_param, h, w, 384, 384))
+    det = net.blobs["detection_out"].data
+    p = next(lp for lp in param.layer if lp.type == "DetectionOutput").detection_output_param
+    ref = polygon_output_ref(net.blobs["mbox_loc"].data, net.blobs["mbox_conf_flatten"].data,
+                             net.blobs["mbox_priorbox"].data, p.num_classes, p.share_location,
+                             p.background_label_id, p.confidence_threshold,
+                             p.nms_param.nms_threshold, p.nms_param.top_k, p.keep_top_k)
+    assert det.shape == ref.shape and det.shape[2] > 1 and det.shape[3] == 15
+    np.testing.assert_array_equal(det[..., :3], ref[..., :3])
+    np.testing.assert_allclose(det, ref, rtol=1e-6, atol=1e-7)

@@ -74,6 +74,20 @@ def decode(prior, var, loc, code_type: int, variance_in_target: bool) -> torch.T
     return torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], -1)
 
 
+def decode_quad(prior, var, loc) -> torch.Tensor:
+    """TextBoxes++' DecodeBBoxPolygon (MhLiao/TextBoxes_plusplus bbox_util.cpp/.cu; CENTER_SIZE
+    with the variances in the priors, the only coding it decodes quadrilaterals in): prior
+    (P, 4), var (P, 4), loc (..., P, 8) -> (..., P, 8) [x1, y1, ..., x4, y4], each corner the
+    prior's (top-left, top-right, bottom-right, bottom-left) moved by var[0] * dx * prior width
+    and var[1] * dy * prior height."""
+    pw, ph = _prior_wh(prior)
+    cx = torch.stack([prior[:, 0], prior[:, 2], prior[:, 2], prior[:, 0]], -1)
+    cy = torch.stack([prior[:, 1], prior[:, 1], prior[:, 3], prior[:, 3]], -1)
+    x = var[:, 0, None] * loc[..., 0::2] * pw[:, None] + cx
+    y = var[:, 1, None] * loc[..., 1::2] * ph[:, None] + cy
+    return torch.stack([x, y], -1).flatten(-2)
+
+
 def encode(prior, var, gt, code_type: int, variance_in_target: bool) -> torch.Tensor:
     """EncodeBBox: the offsets (M, 4) that decode ``prior`` (M, 4) into ``gt`` (M, 4)."""
     if code_type == CORNER:

@@ -186,6 +186,13 @@ class DetectionOutput(Layer):
     Params: detection_output_param num_classes, share_location, background_label_id, code_type,
     variance_encoded_in_target, keep_top_k, confidence_threshold, nms_param {nms_threshold,
     top_k, eta}. save_output_param and visualize are not supported (warned and ignored).
+
+    ``use_polygon`` (TextBoxes++, MhLiao/TextBoxes_plusplus detection_output_layer.cpp/.cu):
+    12 loc numbers a prior, the box's 4 then a quadrilateral's 8 (bbox.decode_quad); NMS on the
+    boxes (the fork's ApplyNMSFast; its polygon NMS is a Python post-step, not the layer's);
+    rows of 15: [image_id, label, score, xmin, ymin, xmax, ymax, x1, y1, x2, y2, x3, y3, x4,
+    y4]. CENTER_SIZE with the variances in the priors only: the fork decodes no quadrilateral
+    in its other codings.
     """
 
     exact_bottoms = 3
@@ -198,9 +205,11 @@ class DetectionOutput(Layer):
         p = self.param.detection_output_param
         if not p.HasField("num_classes"):
             raise self.fail("detection_output_param.num_classes is required")
-        if p.use_polygon:
-            raise self.fail("use_polygon (TextBoxes++'s quadrilateral decoding, 12 numbers a "
-                            "prior) is not implemented")
+        self.polygon = p.use_polygon
+        if self.polygon and (p.code_type != B.CENTER_SIZE or p.variance_encoded_in_target):
+            raise self.fail("use_polygon (TextBoxes++) decodes quadrilaterals with code_type "
+                            "CENTER_SIZE and the variances in the priors only, as the fork")
+        self.coords = 12 if self.polygon else 4
         self.num_classes = p.num_classes
         self.share = p.share_location
         self.loc_classes = 1 if self.share else self.num_classes
@@ -221,20 +230,23 @@ class DetectionOutput(Layer):
     def reshape(self, bottom_shapes):
         loc, conf, prior = (tuple(s) for s in bottom_shapes)
         p = B.legacy(prior, 2) // 4
-        if (loc[0] != conf[0] or B.legacy(loc, 1) != p * self.loc_classes * 4
+        if (loc[0] != conf[0] or B.legacy(loc, 1) != p * self.loc_classes * self.coords
                 or B.legacy(conf, 1) != p * self.num_classes):
-            raise self.fail(f"loc {loc} and conf {conf} must be (N, {p}*{self.loc_classes}*4) and "
-                            f"(N, {p}*{self.num_classes}) for {p} priors {prior}")
-        return [(1, 1, 1, 7)]
+            raise self.fail(f"loc {loc} and conf {conf} must be (N, {p}*{self.loc_classes}*"
+                            f"{self.coords}) and (N, {p}*{self.num_classes}) for {p} priors {prior}")
+        return [(1, 1, 1, 3 + self.coords)]
 
     def forward(self, bottoms):
         loc, conf, prior = bottoms
         n, c = loc.shape[0], self.num_classes
         p = B.legacy(prior.shape, 2) // 4
         pbox, pvar = B.priors_from_blob(prior, p)
-        locs = loc.detach().to("cpu", torch.float32).reshape(n, p, self.loc_classes, 4).transpose(1, 2)
+        locs = loc.detach().to("cpu", torch.float32).reshape(n, p, self.loc_classes, self.coords)
+        locs = locs.transpose(1, 2)
         try:
-            boxes = B.decode(pbox, pvar, locs, self.code_type, self.var_in_target)   # (n, L, p, 4)
+            boxes = B.decode(pbox, pvar, locs[..., :4], self.code_type, self.var_in_target)   # (n, L, p, 4)
+            if self.polygon:                                                                 # (n, L, p, 12)
+                boxes = torch.cat([boxes, B.decode_quad(pbox, pvar, locs[..., 4:])], -1)
         except B.BoxError as e:
             raise self.fail(str(e)) from None
         boxes = boxes.numpy()
@@ -246,7 +258,7 @@ class DetectionOutput(Layer):
                 if label == self.background:
                     continue
                 b = boxes[i, 0 if self.share else label]
-                kept[label] = B.nms_fast(b, scores[i, :, label], self.conf_threshold,
+                kept[label] = B.nms_fast(b[:, :4], scores[i, :, label], self.conf_threshold,
                                          self.nms_threshold, self.eta, self.top_k)
             if self.keep_top_k > -1 and sum(len(k) for k in kept.values()) > self.keep_top_k:
                 kept = self._keep_top_k(kept, scores[i])
@@ -259,7 +271,7 @@ class DetectionOutput(Layer):
         if rows:
             out = torch.from_numpy(np.concatenate(rows))
         else:  # the fork's "no detection" rows: image id, then -1s
-            out = torch.full((n, 7), -1.0)
+            out = torch.full((n, 3 + self.coords), -1.0)
             out[:, 0] = torch.arange(n, dtype=out.dtype)
         return [out.to(device=loc.device, dtype=loc.dtype)[None, None]]
 
