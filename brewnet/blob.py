@@ -266,3 +266,12 @@ class ParamBlob(Blob):
 
     def reshape(self, *shape) -> None:
         raise ValueError("parameter blobs cannot be reshaped")
+
+
+def nhwc(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in channels_last memory. One channel gets NHWC strides too: torch keeps the NCHW
+    ones there (the same memory), and every layer after it would then compute in NCHW."""
+    t = t.contiguous(memory_format=torch.channels_last)
+    if t.shape[1] == 1 and t.stride(1) != 1:
+        t = t.as_strided(t.shape, (t.stride(0), 1, t.stride(2), t.stride(3)))
+    return t

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from . import backprop
-from .blob import Blob
+from .blob import Blob, nhwc
 from .data import layers as _data_layers  # noqa: F401  (registers the database readers)
 from .errors import NetError
 from .execution.folding import Folder
@@ -29,30 +29,12 @@ from .params import LearnableParams
 from .proto import caffe_pb2 as pb
 from .proto import schema
 from .proto.filter import filter_net, make_state
+from .proto.io import read_net_and_source
 
 log = logging.getLogger("brewnet")
 __all__ = ["Net", "NetError"]
 INT_MAX = 2 ** 31 - 1     # Caffe's blobs count elements in an int
 HOOKS = ("before_forward", "after_forward", "before_backward", "after_backward")
-
-
-def _load_param(source) -> "pb.NetParameter":
-    from .proto.io import read_net
-
-    if isinstance(source, pb.NetParameter):
-        from .proto.upgrade import upgrade_net
-
-        return upgrade_net(source)
-    return read_net(os.fspath(source))
-
-
-def _nhwc(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in channels_last memory. One channel gets NHWC strides too: torch keeps the NCHW
-    ones there (the same memory), and every layer after it would then compute in NCHW."""
-    t = t.contiguous(memory_format=torch.channels_last)
-    if t.shape[1] == 1 and t.stride(1) != 1:
-        t = t.as_strided(t.shape, (t.stride(0), 1, t.stride(2), t.stride(3)))
-    return t
 
 
 class Net:
@@ -78,9 +60,7 @@ class Net:
         # files and writes its weights (proto/schema.py)
         self.schema = schema.load(proto) if proto is not None else schema.active()
         with schema.using(self.schema):
-            param = _load_param(net)
-        self.source = os.fspath(net) if isinstance(net, os.PathLike) or (
-            isinstance(net, str) and "{" not in net and os.path.exists(net)) else None
+            param, self.source = read_net_and_source(net)
         self.phase = phase
         self.param = filter_net(param, make_state(phase, level, stages, param.state))
         self.name = self.param.name
@@ -430,7 +410,7 @@ class Net:
         if self.param.force_backward and t.is_floating_point() and not t.requires_grad:
             t = t.detach().requires_grad_(True)
             blob.tensor = t
-        cur[name] = _nhwc(t) if self._channels_last and t.dim() == 4 else t
+        cur[name] = nhwc(t) if self._channels_last and t.dim() == 4 else t
         return t
 
     def _leaf(self, name: str, grad: bool) -> torch.Tensor:
@@ -520,7 +500,7 @@ class Net:
             for n in self.top_lists[i]:
                 t = self.blobs[n].tensor
                 if self._channels_last and t.dim() == 4:   # the conversion is the Input's work
-                    self._fed[n] = (t, _nhwc(t))
+                    self._fed[n] = (t, nhwc(t))
             return [self.blobs[n].tensor for n in self.top_lists[i]]
         bottoms = self._bottoms_alone(i, grad)
         with torch.set_grad_enabled(grad):

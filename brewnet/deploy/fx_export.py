@@ -138,7 +138,7 @@ class _Tracee(torch.nn.Module):
 
 
 def _example_inputs(net: Net, channels_last: bool = False) -> list[torch.Tensor]:
-    from ..net import _nhwc
+    from ..blob import nhwc
 
     out = []
     for name in net.inputs:
@@ -147,7 +147,7 @@ def _example_inputs(net: Net, channels_last: bool = False) -> list[torch.Tensor]
             raise NetError(f"Input '{name}' has no shape ({s}); give the Input layer its shape")
         # A batch of 1 would be specialised by export: trace at 2, any batch runs afterwards.
         x = torch.randn((max(s[0], 2),) + s[1:])
-        out.append(_nhwc(x) if channels_last and x.dim() == 4 else x)
+        out.append(nhwc(x) if channels_last and x.dim() == 4 else x)
     return out
 
 
@@ -156,7 +156,7 @@ def traced_program(net: Net, fold: bool = False, dynamic_batch: bool = True,
     """(ExportedProgram, tracee, whether the batch is dynamic) of ``net``'s TEST forward;
     ``channels_last``: traced on NHWC inputs, as the CPU path runs (layers that branch on the
     layout take the branch that path takes)."""
-    from ..net import _nhwc
+    from ..blob import nhwc
 
     tracee = _Tracee(net, fold)
     xs = _example_inputs(net, channels_last)
@@ -171,7 +171,7 @@ def traced_program(net: Net, fold: bool = False, dynamic_batch: bool = True,
             log.warning("Net '%s': the batch size stays %d (not dynamic): %s", net.name,
                         net.shapes[net.inputs[0]][0], str(e).splitlines()[0][:200])
     xs = [torch.randn(net.shapes[n]) for n in net.inputs]
-    xs = [_nhwc(x) if channels_last and x.dim() == 4 else x for x in xs]
+    xs = [nhwc(x) if channels_last and x.dim() == 4 else x for x in xs]
     return torch.export.export(tracee, tuple(xs), strict=False), tracee, False
 
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ..net import _nhwc
+from ..blob import nhwc
 from . import engines
 from .cuda_graph import device_refusal
 from .engines import due, pick, rebuild
@@ -55,7 +55,7 @@ def small_conv(x, weight, bias, stride, pad, channels_last: bool):
     the net's layout: oneDNN's primitives cost several times more for these (LeNet at batch
     1: conv1 ~116 us vs ~28, conv2 ~210 vs ~85, one thread)."""
     y = aten._slow_conv2d_forward(_nchw(x), weight, list(weight.shape[2:]), bias, stride, pad)
-    return _nhwc(y) if channels_last else y
+    return nhwc(y) if channels_last else y
 
 
 def dnn_linear(x, weight, bias):
@@ -219,7 +219,7 @@ class LeanForward:
         """The graph's outputs on the input tensors ``xs``, bound to the current params."""
         self._bind()
         with torch.no_grad():
-            return self._call([_nhwc(x) if self._cl and x.dim() == 4 else x for x in xs])
+            return self._call([nhwc(x) if self._cl and x.dim() == 4 else x for x in xs])
 
     def _call(self, xs) -> tuple:
         """The graph's outputs on ``xs``: on the CPU by calling it; on CUDA by replaying its
@@ -302,7 +302,7 @@ class LeanForward:
             attrs = {id(t): name for name, t in [*tracee.named_parameters(remove_duplicate=False),
                                                  *tracee.named_buffers(remove_duplicate=False)]}
             xs = [torch.randn(net.shapes[n], device=net.device) for n in net.inputs]
-            xs = [_nhwc(x) if self._cl and x.dim() == 4 else x for x in xs]
+            xs = [nhwc(x) if self._cl and x.dim() == 4 else x for x in xs]
             try:
                 gm = record(tracee, xs, attrs, root=tracee)
             except RecordError as e:
@@ -317,9 +317,9 @@ class LeanForward:
     def _bind(self) -> None:
         """Point the graph at the layers' current parameters (folded ones from the cache)."""
         net = self.net
-        for i, end, sub, names, nhwc in self.steps:
+        for i, end, sub, names, layouts in self.steps:
             blobs = net._folder.weights(i) if end != i else net.layer_list[i].blobs
-            for name, t, cl in zip(names, blobs, nhwc):
+            for name, t, cl in zip(names, blobs, layouts):
                 if cl:
                     t = self._nhwc_weight(t)
                 (sub._buffers if name in sub._buffers else sub._parameters)[name] = t

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..blob import nhwc
 from ..errors import NetError
 from ..execution import determinism
 from ..execution.threads import TINY_FLOPS
 from ..layers import functional as Fn
 from ..layers.loss import FLT_MIN, _WeightedLogLoss, check_labels, normalizer
-from ..net import _nhwc
 from ..proto import caffe_pb2 as pb
 
 
@@ -135,7 +135,7 @@ def _conv(fn, layer, ins, params, k):
     b = params[1].reshape(-1) if layer.bias_term else None  # (K*O,)
     t = x.t
     if t.device.type == "cpu" and t.dim() == 4:   # oneDNN's grouped kernels are faster in NHWC
-        t = _nhwc(t)
+        t = nhwc(t)
     if x.kind == "shared" and layer.group > 1:              # each net's groups on its own copy
         t = t.repeat(1, k, *([1] * (t.dim() - 2)))
     groups = layer.group if x.kind == "shared" and layer.group == 1 else layer.group * k

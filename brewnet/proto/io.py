@@ -326,6 +326,16 @@ def read_net(path_or_text, upgrade: bool = True) -> "pb.NetParameter":
     return upgrade_net(net, source) if upgrade else net
 
 
+def read_net_and_source(net) -> tuple["pb.NetParameter", str | None]:
+    """``read_net`` of a path, text or message (upgraded), and the file it came from (None for
+    text or a message): errors about the net name it."""
+    if isinstance(net, pb.NetParameter):
+        return upgrade_net(net), None
+    path = os.fspath(net)
+    source = path if isinstance(net, os.PathLike) or _looks_like_path(path) else None
+    return read_net(path), source
+
+
 def _looks_like_path(s: str) -> bool:
     return "\n" not in s and "{" not in s and (":" not in s or os.path.exists(s))
 
