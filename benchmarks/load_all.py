@@ -17,7 +17,14 @@ run with): that says whether its importer takes the net.
 
 Compared: each OpenCV output whose layer brewnet has, against the blob that layer writes in brewnet;
 scale = max |OpenCV's output|; they agree when max |brewnet - OpenCV| <= 1e-4 * scale (and the
-shapes match). Written: ``<out>.txt`` (the table, the counts, the failures grouped by reason) and
+shapes match). A Silence output: the blobs it consumes instead. A DetectionOutput: its inputs (loc,
+conf, priors), and its detections as a set (rows whose score ties with another's left out: with
+random weights scores tie and OpenCV's NMS orders ties unlike Caffe's). SENet's Axpy nets whose
+outputs differ (OpenCV computes a*Y + X, the fork a*X + Y): the first Axpy's inputs against
+OpenCV's and its output against the fork's formula, counted apart. Nets BVLC Caffe itself refuses
+(the corpus' ``caffe_refuses``) are counted apart from brewnet's failures. A net whose data layer
+reads an image list gets a list of random images made for it (``feed_data_layers``).
+Written: ``<out>.txt`` (the table, the counts, the failures grouped by reason) and
 ``<out>.json`` (the rows). A reason is the exception's first line.
 """
 from __future__ import annotations
@@ -172,6 +179,8 @@ def one(name: str) -> dict:
     path = c.resolve(entry, ROOT)
     row = {"name": name, "category": entry["category"], "repo": entry.get("repo", ""),
            "path": entry["path"], "brewnet": None, "opencv": None, "compare": [], "agree": None}
+    if entry.get("caffe_refuses"):
+        row["caffe_refuses"] = entry["caffe_refuses"]
     folder = Path(tempfile.mkdtemp(prefix="load_all-"))
     try:
         path = feed_data_layers(path, entry, folder)
@@ -221,37 +230,174 @@ def one(name: str) -> dict:
             for n, x in xs.items():
                 cvn.setInput(x, n)
             names = list(cvn.getUnconnectedOutLayersNames())
-            got = cvn.forward(names)
-            outs = {n: np.asarray(o) for n, o in zip(names, got)}
+            plan = comparison_plan(net, names)
+            asked = list(dict.fromkeys(names + [cv for cv, _ in plan["extra"]]))
+            got = cvn.forward(asked)
+            outs = {n: np.asarray(o) for n, o in zip(asked, got)}
             row["opencv"] = "ok"
     except BaseException as e:  # noqa: BLE001
         row["opencv"] = cv_reason(e) if "cv2" in type(e).__module__ else first_line(e)
     if row["brewnet"] == "ok" and row["opencv"] == "ok":
-        agree = []
-        for n, o in outs.items():
+        compare_outputs(row, net, outs, plan)
+        if plan["axpy"]:
+            check_axpy(row, net, outs, plan["axpy"])
+    return row
+
+
+def producer(net, blob: str, before: int) -> tuple[str, int] | None:
+    """The layer (name, top index) that last wrote ``blob`` before layer ``before``."""
+    for i in range(before - 1, -1, -1):
+        tops = list(net.top_lists[i])
+        if blob in tops:
+            return net.layer_list[i].name, tops.index(blob)
+    return None
+
+
+def _inputs_of(net, index: int) -> list[tuple[str, str]]:
+    """(OpenCV output name, brewnet blob) for each bottom of layer ``index``: the layer that wrote
+    it (OpenCV names a layer's first output by the layer's name; net inputs are not outputs)."""
+    out = []
+    for b in net.bottom_lists[index]:
+        p = producer(net, b, index)
+        if p is not None and p[1] == 0 and net.layer_list[net.layer_index(p[0])].type != "Input":
+            out.append((p[0], b))
+    return out
+
+
+def comparison_plan(net, names: list[str]) -> dict:
+    """What to compare beyond OpenCV's unconnected outputs: the blobs a Silence layer consumes
+    (its own output is nothing), a DetectionOutput's inputs (loc, conf, priors: with random
+    weights its scores tie, and OpenCV's NMS breaks ties in another order than Caffe's), and the
+    first Axpy's inputs (SENet: OpenCV computes a*Y + X, the fork a*X + Y)."""
+    index = {la.name: i for i, la in enumerate(net.layer_list)}
+    plan = {"silence": {}, "detection": {}, "extra": [], "axpy": None, "names": list(names)}
+    for n in names:
+        i = index.get(n)
+        if i is None:
+            continue
+        kind = net.layer_list[i].type
+        if kind == "Silence":
+            plan["silence"][n] = _inputs_of(net, i)
+            plan["extra"] += plan["silence"][n]
+        elif kind == "DetectionOutput":
+            plan["detection"][n] = _inputs_of(net, i)
+            plan["extra"] += plan["detection"][n]
+    first = next((i for i, la in enumerate(net.layer_list) if la.type == "Axpy"), None)
+    if first is not None:
+        plan["axpy"] = (net.layer_list[first].name, _inputs_of(net, first))
+        plan["extra"] += plan["axpy"][1]
+    return plan
+
+
+def compare_blob(name: str, b, o) -> dict:
+    """brewnet's ``b`` against OpenCV's ``o``: max |b - o| within RTOL of max |o|."""
+    b = np.asarray(b, np.float64)
+    o = np.asarray(o, np.float64)
+    if b.size != o.size:
+        return {"output": name, "why": f"shape {list(b.shape)} vs OpenCV {list(o.shape)}", "agree": False}
+    b = b.reshape(o.shape)
+    scale = float(np.nanmax(np.abs(o))) if o.size else 0.0
+    diff = float(np.nanmax(np.abs(b - o))) if o.size else 0.0
+    finite = bool(np.isfinite(b).all() and np.isfinite(o).all())
+    ok = finite and diff <= RTOL * scale if scale > 0 else finite and diff == 0.0
+    return {"output": name, "max_diff": diff, "scale": scale, "rel": diff / scale if scale > 0 else None,
+            "agree": ok, **({} if finite else {"why": "not finite"})}
+
+
+def detection_set(name: str, b, o) -> dict:
+    """Two DetectionOutput results (rows image, label, score, x1, y1, x2, y2) as sets: each row
+    whose score ties with no other row's of its result (within RTOL of the scale) must have a row
+    of the other result equal to it within that tolerance, in any order; tied rows are left out
+    (NMS and top-k keep either of a tie), and so are rows at the other result's lowest score (the
+    top-k cut, where a score within the tolerance falls either side)."""
+    b = np.asarray(b, np.float64).reshape(-1, 7)
+    o = np.asarray(o, np.float64).reshape(-1, 7)
+    b, o = b[b[:, 1] >= 0], o[o[:, 1] >= 0]         # "no detection" rows are -1
+    scale = max(float(np.abs(o).max()) if o.size else 0.0, float(np.abs(b).max()) if b.size else 0.0, 1e-30)
+    tol = RTOL * scale
+
+    def distinct(rows):
+        s = rows[:, 2]
+        return rows[(np.abs(s[:, None] - s[None, :]) <= tol).sum(1) == 1]
+
+    def unmatched(rows, other):
+        if not len(rows):
+            return 0, 0.0
+        if not len(other):
+            return len(rows), 0.0
+        d = np.abs(rows[:, None, :] - other[None, :, :]).max(2).min(1)
+        cut = rows[:, 2] <= other[:, 2].min() + tol
+        return int(((d > tol) & ~cut).sum()), float(d[~cut].max()) if (~cut).any() else 0.0
+
+    bd, od = distinct(b), distinct(o)
+    nb, db = unmatched(bd, o)
+    no, do = unmatched(od, b)
+    what = (f"detections as a set: {len(bd)} of {len(b)} rows (brewnet), {len(od)} of {len(o)} "
+            f"(OpenCV) with distinct scores")
+    diff = max(db, do)
+    out = {"output": name, "max_diff": diff, "scale": scale, "rel": diff / scale,
+           "agree": nb == 0 and no == 0, "set": what}
+    if nb or no:
+        out["why"] = what + f": {nb} of brewnet's and {no} of OpenCV's have no match in the other"
+    return out
+
+
+def compare_outputs(row: dict, net, outs: dict, plan: dict) -> None:
+    agree, notes = [], []
+    groups = list(plan["silence"].values()) + list(plan["detection"].values())
+    axpy_only = {cv for cv, _ in (plan["axpy"][1] if plan["axpy"] else [])}
+    axpy_only -= set(plan["silence"]) | set(plan["detection"]) | {cv for g in groups for cv, _ in g}
+    for n, o in outs.items():
+        if n in axpy_only and n not in net.outputs and n not in (plan.get("names") or ()):
+            continue                                 # asked for the Axpy check only
+        if n in plan["silence"]:
+            notes.append(f"{n} (Silence): its input{'s' if len(plan['silence'][n]) > 1 else ''} "
+                         + ", ".join(b for _, b in plan["silence"][n]))
+            continue
+        if n in plan["detection"]:
+            tops = net.top_names[n]
+            c = detection_set(n, net.blobs[tops[0]].data, o)
+            notes.append(f"{n} (DetectionOutput): its inputs " + ", ".join(b for _, b in plan["detection"][n])
+                         + f"; {c['set']}")
+            row["compare"].append(c)
+            agree.append(c["agree"])
+            continue
+        blob = next((b for group in groups for cv, b in group if cv == n), None)
+        if blob is None:
             tops = net.top_names.get(n) or ([n] if n in net.blobs else [])
             if not tops:
                 row["compare"].append({"output": n, "why": "no such layer in brewnet"})
                 continue
-            b = np.asarray(net.blobs[tops[0]].data, np.float64)
-            o = o.astype(np.float64)
-            if b.size != o.size:
-                row["compare"].append({"output": n, "why": f"shape {list(b.shape)} vs OpenCV {list(o.shape)}"})
-                agree.append(False)
-                continue
-            b = b.reshape(o.shape)
-            scale = float(np.nanmax(np.abs(o))) if o.size else 0.0
-            diff = float(np.nanmax(np.abs(b - o))) if o.size else 0.0
-            finite = bool(np.isfinite(b).all() and np.isfinite(o).all())
-            ok = finite and diff <= RTOL * scale if scale > 0 else finite and diff == 0.0
-            row["compare"].append({"output": n, "max_diff": diff, "scale": scale,
-                                   "rel": diff / scale if scale > 0 else None, "agree": ok,
-                                   **({} if finite else {"why": "not finite"})})
-            agree.append(ok)
-        row["agree"] = all(agree) if agree else None
-        if not agree:
-            row["compare_why"] = "no output in common: " + ", ".join(outs)
-    return row
+            blob = tops[0]
+        c = compare_blob(n if blob == n else f"{n} ({blob})", net.blobs[blob].data, o)
+        row["compare"].append(c)
+        agree.append(c["agree"])
+    row["agree"] = all(agree) if agree else None
+    if notes:
+        row["compared"] = "; ".join(notes)
+    if not agree:
+        row["compare_why"] = "no output in common: " + ", ".join(outs)
+
+
+def check_axpy(row: dict, net, outs: dict, axpy) -> None:
+    """SENet's Axpy: OpenCV 4.x computes a*Y + X where the fork computes a*X + Y
+    (hujie-frank/SENet axpy_layer.cpp; tests/test_layers_forks.py). Where the outputs differ,
+    the first Axpy's inputs are compared with OpenCV's and its output with the fork's formula
+    on brewnet's inputs (a forward up to that layer)."""
+    name, inputs = axpy
+    if row["agree"] is not False:
+        return
+    net.forward(end=name)
+    bottoms = net.bottom_names[name]
+    a, x, y = (np.asarray(net.blobs[b].data, np.float64) for b in bottoms)
+    want = a.reshape(a.shape[:2] + (1,) * (x.ndim - 2)) * x + y
+    got = np.asarray(net.blobs[net.top_names[name][0]].data, np.float64)
+    scale = float(np.abs(want).max()) or 1.0
+    formula = float(np.abs(got - want).max())
+    ins = [compare_blob(f"{cv} ({b})", net.blobs[b].data, outs[cv]) for cv, b in inputs if cv in outs]
+    ok = formula <= RTOL * scale and len(ins) == 3 and all(c["agree"] for c in ins)
+    row["fork_formula"] = {"layer": name, "inputs": ins, "formula_rel": formula / scale, "agree": ok}
+    row["agree_fork"] = ok
 
 
 # ---------------------------------------------------------------- the run (parent)
@@ -296,6 +442,8 @@ def run_child(name: str, timeout: float, mem_gb: float) -> dict:
         e = c.by_name(name)
         row = {"name": name, "category": e["category"], "repo": e.get("repo", ""), "path": e["path"],
                "brewnet": why, "opencv": "not run (process)", "compare": [], "agree": None}
+        if e.get("caffe_refuses"):
+            row["caffe_refuses"] = e["caffe_refuses"]
     row["seconds"] = round(seconds, 1)
     return row
 
@@ -319,12 +467,21 @@ def reason_key(reason: str) -> str:
 
 
 def diff_text(row) -> str:
+    if row.get("caffe_refuses") and row["brewnet"] != "ok":
+        return "Caffe refuses too"
     if row["agree"] is None:
         return "-"
     rels = [c["rel"] for c in row["compare"] if c.get("rel") is not None]
     worst = max(rels) if rels else None
+    if row.get("agree_fork"):
+        return "fork formula; OpenCV differs (known)"
     tag = "agree" if row["agree"] else "DIFFER"
-    return f"{tag} {worst:.1e}" if worst is not None else tag
+    text = f"{tag} {worst:.1e}" if worst is not None else tag
+    if any("set" in c for c in row["compare"]):
+        text += " (DetectionOutput: inputs, detections as a set)"
+    elif row.get("compared"):
+        text += " (Silence's input)"
+    return text
 
 
 def report(rows: list[dict]) -> str:
@@ -338,9 +495,18 @@ def report(rows: list[dict]) -> str:
     o = sum(r["opencv"] == "ok" for r in rows)
     both = sum(r["brewnet"] == "ok" and r["opencv"] == "ok" for r in rows)
     agree = sum(bool(r["agree"]) for r in rows)
+    fork = sum(bool(r.get("agree_fork")) for r in rows)
+    refused = [r for r in rows if r.get("caffe_refuses") and r["brewnet"] != "ok"]
     repos = len({r["repo"] for r in rows if r["repo"]})
     lines += ["", f"nets: {len(rows)} (from {repos} repositories)", f"brewnet runs: {b}",
-              f"OpenCV runs: {o}", f"both run: {both}", f"agree (within {RTOL:g} of each output's scale): {agree}"]
+              f"OpenCV runs: {o}", f"both run: {both}", f"agree (within {RTOL:g} of each output's scale): {agree}",
+              f"agree with the fork's formula, OpenCV differs (known: SENet's Axpy): {fork}",
+              f"Caffe refuses too (invalid files, not counted as brewnet failures): {len(refused)}",
+              "compared: OpenCV's unconnected outputs against the blobs their layers write in brewnet; "
+              "a Silence output: the blobs it consumes; a DetectionOutput: its inputs (loc, conf, "
+              "priors) within the tolerance and its detections as a set, rows whose score ties with "
+              "another's left out; SENet's Axpy nets where the outputs differ: the first Axpy's "
+              "inputs against OpenCV's and its output against the fork's a*X + Y"]
 
     def grouped(title, items):
         groups = defaultdict(list)
@@ -352,11 +518,21 @@ def report(rows: list[dict]) -> str:
             for name, why in members:
                 lines.append(f"      {name}: {why}")
 
-    grouped("brewnet fails", [(r["name"], r["brewnet"]) for r in rows if r["brewnet"] != "ok"])
+    grouped("brewnet fails", [(r["name"], r["brewnet"]) for r in rows
+                              if r["brewnet"] != "ok" and not r.get("caffe_refuses")])
+    lines.extend(["", f"Caffe refuses too: {len(refused)}"])
+    lines.extend(f"      {r['name']}: {r['caffe_refuses']} (brewnet: {r['brewnet']})" for r in refused)
     grouped("OpenCV fails", [(r["name"], r["opencv"]) for r in rows if r["opencv"] != "ok"])
+    forks = [r for r in rows if r.get("agree_fork")]
+    lines.extend(["", f"agree with the fork's formula, OpenCV differs (known): {len(forks)}"])
+    for r in forks:
+        f = r["fork_formula"]
+        ins = ", ".join(f"{c['output']} {c['rel']:.1e}" for c in f["inputs"])
+        lines.append(f"      {r['name']}: {r['compare'][0]['output']} differs from OpenCV; layer {f['layer']}: "
+                     f"inputs agree with OpenCV's ({ins}), output = a*X + Y within {f['formula_rel']:.1e}")
     differ = []
     for r in rows:
-        if r["agree"] is False:
+        if r["agree"] is False and not r.get("agree_fork"):
             bad = [c for c in r["compare"] if not c.get("agree")]
             text = "; ".join(f"{c['output']}: " + (c["why"] if "why" in c else
                                                     f"max diff {c['max_diff']:.3g} / scale {c['scale']:.3g}")

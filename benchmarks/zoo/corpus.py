@@ -6,7 +6,8 @@ benchmarks/zoo/nets/, the test data under tests/data/, or the shared data as ../
 which may be absent: see ``available``); ``category``; ``input_shape``, (C, H, W) to reshape the first
 input to at batch 1, only where the prototxt's own shape is a placeholder or a training patch (None:
 the prototxt's shape, batch set to 1); for a net that reads an image list (DenseImageData), the size
-of the images load_all.py makes for it; ``opencv``, whether OpenCV 4.14 ``cv2.dnn.readNetFromCaffe``
+of the images load_all.py makes for it; ``caffe_refuses``, where BVLC Caffe itself rejects the
+file, why (checked in its source; load_all.py counts these apart from brewnet's failures); ``opencv``, whether OpenCV 4.14 ``cv2.dnn.readNetFromCaffe``
 loaded it and ran one forward with random weights saved by brewnet (None: not recorded here, see
 benchmarks/results/load_all.txt); ``note``.
 
@@ -210,7 +211,7 @@ NETS = [
     dict(name='pelee_ssd_voc', repo='Robert-JunWang/Pelee',
          path='benchmarks/zoo/nets/pelee_ssd_voc.prototxt',
          category='detection', input_shape=None, opencv=True,
-         note='Pelee SSD 304x304 VOC (BatchNorm merged into conv); DetectionOutput.'),
+         note="Pelee SSD 304x304 VOC (BatchNorm merged into conv); DetectionOutput. Its PriorBox sizes are fractional (min_size 21.28...): SSD's Caffe truncates them (prior_box_layer.cpp `int min_size_ = min_sizes_[s]`), as brewnet does, OpenCV keeps the fraction, so the priors differ by up to 0.2% of the image and the detections follow."),
     dict(name='faster_rcnn_zf', repo='rbgirshick/py-faster-rcnn',
          path='tests/data/forks/faster_rcnn_zf_test.prototxt',
          category='detection', input_shape=None, opencv=False,
@@ -361,7 +362,8 @@ NETS = [
     dict(name='inception_bn', repo='lim0606/caffe-googlenet-bn',
          path='benchmarks/zoo/nets/inception_bn.prototxt',
          category='classification', input_shape=None, opencv=None,
-         note='GoogLeNet with BatchNorm (Inception-BN); its last block is a V1 `layers { type: "Softmax" }` (a string where V1 needs the enum SOFTMAX) after 300 V2 `layer` blocks, which BVLC Caffe\'s parser rejects too.'),
+         note='GoogLeNet with BatchNorm (Inception-BN); its last block is a V1 `layers { type: "Softmax" }` (a string where V1 needs the enum SOFTMAX) after 300 V2 `layer` blocks, which BVLC Caffe\'s parser rejects too.',
+         caffe_refuses='text parse error: V1 `layers { type: "Softmax" }`, a quoted string for the enum V1LayerParameter.LayerType (whose value is SOFTMAX); BVLC Caffe 9b89154 ReadNetParamsFromTextFileOrDie CHECK-fails on TextFormat::Parse (util/upgrade_proto.cpp:90), before any upgrade; OpenCV, the same protobuf parser, fails alike'),
     dict(name='peleenet', repo='Robert-JunWang/PeleeNet',
          path='benchmarks/zoo/nets/peleenet.prototxt',
          category='classification', input_shape=None, opencv=None,
@@ -369,11 +371,11 @@ NETS = [
     dict(name='mobilenetv2_ssdlite_voc', repo='chuanqi305/MobileNetv2-SSDLite',
          path='benchmarks/zoo/nets/mobilenetv2_ssdlite_voc.prototxt',
          category='detection', input_shape=None, opencv=None,
-         note='MobileNetV2-SSDLite VOC (ReLU6, depthwise as grouped Convolution, Sigmoid scores, DetectionOutput), 300x300.'),
+         note='MobileNetV2-SSDLite VOC (ReLU6, depthwise as grouped Convolution, Sigmoid scores, DetectionOutput), 300x300. OpenCV 4.14 differs from the fork at layer_19_2_5_mbox_loc/depthwise (a 3x3 pad-1 depthwise convolution of a 1x1 map, BatchNorm, Scale, ReLU6): brewnet agrees with a float64 numpy reference (2e-7), OpenCV is off by up to the full scale, so mbox_loc/mbox_conf and the detections differ.'),
     dict(name='mobilenetv2_ssdlite_coco', repo='chuanqi305/MobileNetv2-SSDLite',
          path='benchmarks/zoo/nets/mobilenetv2_ssdlite_coco.prototxt',
          category='detection', input_shape=None, opencv=None,
-         note='MobileNetV2-SSDLite COCO, 300x300.'),
+         note='MobileNetV2-SSDLite COCO, 300x300; the same OpenCV depthwise difference as mobilenetv2_ssdlite_voc (layer_19_2_5_mbox_loc/depthwise, 1x1 map; brewnet within 1.3e-7 of float64 numpy).'),
     dict(name='yolov1_tiny', repo='xingwangsfu/caffe-yolo',
          path='benchmarks/zoo/nets/yolov1_tiny.prototxt',
          category='detection', input_shape=None, opencv=None,
@@ -405,7 +407,8 @@ NETS = [
     dict(name='lightcnn_b', repo='AlfredXiangWu/face_verification_experiment',
          path='benchmarks/zoo/nets/lightcnn_b.prototxt',
          category='face_recognition', input_shape=None, opencv=None,
-         note='LightenedCNN-B face model (max-feature-map via Slice + Eltwise MAX), V1 format, 128x128 gray; prototxt batch 20.'),
+         note='LightenedCNN-B face model (max-feature-map via Slice + Eltwise MAX), V1 format, 128x128 gray; prototxt batch 20.',
+         caffe_refuses="in TEST, where its `include { phase: TEST }` ACCURACY layer is built, bottom 'label' is no input and no layer's top: BVLC Caffe 9b89154 Net::AppendBottom LOG(FATAL) 'Unknown bottom blob' (src/caffe/net.cpp:404); the deploy file kept a training-time layer"),
     dict(name='lightcnn_c', repo='AlfredXiangWu/face_verification_experiment',
          path='benchmarks/zoo/nets/lightcnn_c.prototxt',
          category='face_recognition', input_shape=None, opencv=None,
@@ -444,8 +447,8 @@ NETS = [
          note='Dilated-convolution front end + context module (Yu & Koltun), PASCAL VOC, 900x900.'),
     dict(name='dilation10_cityscapes', repo='fyu/dilation',
          path='benchmarks/zoo/nets/dilation10_cityscapes.prototxt',
-         category='segmentation', input_shape=None, opencv=None,
-         note='Dilation10 Cityscapes (front end + context module + Deconvolution upsampling), 1396x1396 tiles: large.'),
+         category='segmentation', input_shape=(3, 900, 900), opencv=None,
+         note="Dilation10 Cityscapes (front end + context module + Deconvolution upsampling); its 1396x1396 tiles took over 300 s and ~10 GB here, so run at 900x900: the unpadded front end (-4, /2, -4, /2, -6, /2, -6, dilated -12 and -24) leaves 66x66 features (1396 leaves 128), more than the context module's largest dilation (64, padded 64), so each tap of its dilated 3x3s still reaches features from some positions (below 65 the outer taps of the 64-dilated one would read padding only); output 528x528."),
     dict(name='icnet_cityscapes', repo='hszhao/ICNet',
          path='benchmarks/zoo/nets/icnet_cityscapes.prototxt',
          category='segmentation', input_shape=None, opencv=None,
