@@ -76,3 +76,20 @@ def read(path: str, iteration: int) -> list[dict] | None:
         raise ValueError(f"{path}: written at iteration {doc.get('iter')}, but its solver state "
                          f"is at iteration {iteration}")
     return doc["ranks"]
+
+
+def resume(net, solverstate: str, iteration: int, alone: bool) -> list[dict] | None:
+    """Every rank's cursors saved beside ``solverstate``; a process training ``alone`` puts its
+    data layers back where they were (several workers' cursors: each worker applies its own)."""
+    log = logging.getLogger("brewnet")
+    ranks = read(path_for(solverstate), iteration)
+    if ranks is None and capture(net):
+        log.info("%s has no data cursors beside it: the data restarts from the first record, "
+                 "as Caffe's", solverstate)
+    if ranks is not None and alone:
+        if len(ranks) == 1:
+            apply(net, ranks[0], solverstate)
+        else:
+            log.info("%s: data cursors of %d workers; one process alone restarts its data from "
+                     "the first record", solverstate, len(ranks))
+    return ranks

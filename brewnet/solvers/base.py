@@ -87,7 +87,7 @@ class Solver:
             raise SolverError(f"Unknown regularization type '{p.regularization_type}'. Known: L1, L2")
         self.check_param(p)
         if p.snapshot > 0:
-            self._check_snapshot_prefix()
+            ss.check_prefix(self.param)
         if p.random_seed >= 0:
             process.set_random_seed(p.random_seed)
         self.device = pick_device(p, device)
@@ -173,15 +173,6 @@ class Solver:
             self._pending_steps = []
 
     # -- construction -----------------------------------------------------------------------
-    def _check_snapshot_prefix(self) -> None:
-        prefix = self.param.snapshot_prefix
-        if not self.param.HasField("snapshot_prefix"):
-            raise SolverError("In solver params, snapshot is specified but snapshot_prefix is not")
-        folder = os.path.dirname(prefix) or "."
-        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            raise SolverError(f"Cannot write to snapshot prefix '{prefix}'. Make sure that the "
-                              "directory exists and is writeable.")
-
     def share_weights(self, net: Net) -> None:
         """Make ``net``'s layers use the train net's parameter tensors, by layer name
         (Caffe's ``ShareTrainedLayersWith``)."""
@@ -591,30 +582,12 @@ class Solver:
                 raise SolverError(f"{path}: history blob {i} has shape {h.shape} but learnable param "
                                   f"{i % len(self.net.learnable)} has shape {tuple(mine.shape)}")
         if st.learned_net:
-            self.net.copy_from(self._find_learned_net(st.learned_net, path))
+            self.net.copy_from(ss.find_learned_net(st.learned_net, path))
         with torch.no_grad():
             for h, mine in zip(st.history, self.history):
                 mine.copy_(torch.from_numpy(h.reshape(tuple(mine.shape))))
         self.iter, self.current_step = st.iter, st.current_step
         self._zero_history.clear()
         self._train_count = self.iter * self.param.iter_size
-        self.restored_cursors = cursors.read(cursors.path_for(path), st.iter)
-        if self.restored_cursors is None and cursors.capture(self.net):
-            log.info("%s has no data cursors beside it: the data restarts from the first "
-                     "record, as Caffe's", path)
-        if self.restored_cursors is not None and self.replicas is None:
-            if len(self.restored_cursors) == 1:
-                cursors.apply(self.net, self.restored_cursors[0], path)
-            else:
-                log.info("%s: data cursors of %d workers; one process alone restarts its data "
-                         "from the first record", path, len(self.restored_cursors))
-
-    @staticmethod
-    def _find_learned_net(name: str, state_path: str) -> str:
-        here = os.path.dirname(state_path)
-        for cand in (name, os.path.join(here, name), os.path.join(here, os.path.basename(name))):
-            if os.path.exists(cand):
-                return cand
-        raise FileNotFoundError(f"{state_path}: its learned_net '{name}' was not found (relative to "
-                                f"the working directory or beside the solver state)")
+        self.restored_cursors = cursors.resume(self.net, path, st.iter, alone=self.replicas is None)
 

@@ -124,3 +124,26 @@ def latest(prefix: str) -> str:
             if os.path.exists(os.path.join(folder, model)):
                 found.append((int(m.group(1)), os.path.join(folder, name)))
     return max(found)[1] if found else ""
+
+
+def check_prefix(param) -> None:
+    """Caffe's check at start: a solver that snapshots has a writable ``snapshot_prefix``."""
+    from .nets import SolverError
+
+    prefix = param.snapshot_prefix
+    if not param.HasField("snapshot_prefix"):
+        raise SolverError("In solver params, snapshot is specified but snapshot_prefix is not")
+    folder = os.path.dirname(prefix) or "."
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        raise SolverError(f"Cannot write to snapshot prefix '{prefix}'. Make sure that the "
+                          "directory exists and is writeable.")
+
+
+def find_learned_net(name: str, state_path: str) -> str:
+    """A solver state's ``learned_net``: as written, or beside the state file."""
+    here = os.path.dirname(state_path)
+    for cand in (name, os.path.join(here, name), os.path.join(here, os.path.basename(name))):
+        if os.path.exists(cand):
+            return cand
+    raise FileNotFoundError(f"{state_path}: its learned_net '{name}' was not found (relative to "
+                            f"the working directory or beside the solver state)")

@@ -7,9 +7,8 @@ forward (``--max-batch``, ``--max-delay-ms``). Images are prepared as pycaffe's 
 inputs come as JSON, ``.npy`` or raw float32 (``serving/app.py``). SIGTERM stops accepting
 connections and finishes the requests in flight before exiting (``serving/server.py``).
 
-``GET /`` is a demo page (Caffe's ``examples/web_demo``): drop or pick an image, see the top-k with
-their scores and the server's time; with ``--heatmap-blob conv5`` also owl's heatmap of that blob
-over the image (``POST /heatmap``, a PNG).
+``GET /``: a demo page (Caffe's ``examples/web_demo``): an image in, the top-k and the server's
+time out; ``--heatmap-blob conv5`` adds owl's heatmap of that blob (``POST /heatmap``, a PNG).
 
 ``--workers N``: N server processes on one port (uvicorn's supervisor), each with its own copy of
 the net and its own batcher, so the HTTP work of one worker (parsing, decoding: most of a small
