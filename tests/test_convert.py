@@ -127,6 +127,13 @@ ROWS = [
     ("upsample_bilinear3", lambda: nn.Upsample(scale_factor=3, mode="bilinear"), (1, 2, 2, 5), "bvlc"),
     ("bilinear_corners_forks", lambda: nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True),
      X, "forks"),
+    ("bilinear_corners_bvlc", lambda: Fn(lambda x: F.interpolate(x, size=(13, 20), mode="bilinear",
+                                                                 align_corners=True)), X, "bvlc"),
+    ("bilinear_to_size", lambda: Fn(lambda x: F.interpolate(x, size=(20, 31), mode="bilinear")), X, "bvlc"),
+    ("bilinear_down", lambda: Fn(lambda x: F.interpolate(x, size=(4, 7), mode="bilinear")), X, "bvlc"),
+    ("bilinear_given_scale", lambda: Fn(lambda x: F.interpolate(x, scale_factor=2.05, mode="bilinear")),
+     X, "bvlc"),           # 9 -> 18, an integer ratio, but PyTorch maps positions back by 1/2.05
+    ("nearest_fraction", lambda: Fn(lambda x: F.interpolate(x, scale_factor=1.5)), X, "bvlc"),
     ("dropout", lambda: seq(nn.Dropout(0.5), nn.Dropout2d(0.3), nn.ReLU()), X, "bvlc"),
     ("resnet_block", lambda: seq(nn.Conv2d(4, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(),
                                  nn.MaxPool2d(3, 2, 1), Block(8), Block(8)), (1, 4, 17, 17), "bvlc"),
@@ -185,9 +192,6 @@ def test_unsupported_is_one_line_naming_op_line_and_dialects(tmp_path):
     assert not (tmp_path / "u.prototxt").exists()
     with pytest.raises(ConversionError, match=r"gelu.*no dialect writes it"):
         from_torch(Fn(lambda x: F.gelu(x)), torch.randn(X), tmp_path / "g", dialect="forks")
-    with pytest.raises(ConversionError, match=r"align_corners=True.*--dialect forks"):
-        from_torch(nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True), torch.randn(X),
-                   tmp_path / "b")
 
 
 def test_check_lists_ops_counts_and_lines(tmp_path, monkeypatch, capsys):
@@ -304,3 +308,100 @@ layer { name: "prob" type: "Softmax" bottom: "fc" top: "prob" }
     back.forward_tensors()
     assert np.abs(back.blobs[back.outputs[0]].tensor.numpy() - want).max() < 1e-6
     assert 'ceil' not in open(res.prototxt).read() or 'Slice' in open(res.prototxt).read()
+
+
+def _opencv_rel(res, x, want: list) -> list:
+    cv2 = pytest.importorskip("cv2")
+    net = cv2.dnn.readNetFromCaffe(res.prototxt, res.caffemodel)
+    net.setInput(x.numpy())
+    got = net.forward([row[0] for row in res.outputs])
+    return [float(np.abs(g.reshape(t.shape) - t.numpy()).max() / np.abs(t.numpy()).max())
+            for g, t in zip(got, want)]
+
+
+class FCN(nn.Module):
+    """An FCN-8s-like decoder: a stride-8 backbone, 1x1 classifiers on two scales, the coarse
+    scores upsampled by 2 (bilinear) and added to the stride-4 skip, then resized to the input's
+    size (not an integer multiple here) as torchvision's segmentation heads do."""
+
+    def __init__(self, classes=5):
+        super().__init__()
+        self.s4 = seq(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 12, 3, 2, 1),
+                      nn.BatchNorm2d(12), nn.ReLU())
+        self.s8 = seq(nn.Conv2d(12, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.score8, self.score4 = nn.Conv2d(16, classes, 1), nn.Conv2d(12, classes, 1)
+
+    def forward(self, x):
+        f4 = self.s4(x)
+        y = F.interpolate(self.score8(self.s8(f4)), scale_factor=2, mode="bilinear", align_corners=False)
+        y = y + self.score4(f4)
+        return F.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False)
+
+
+@pytest.mark.parametrize("size", [32, 38])
+def test_fcn_decoder_bvlc_matches_in_brewnet_and_opencv(tmp_path, size):
+    """32: x8 overall (Deconvolution by 2, then by 4); 38: 19 -> 38 after 5 -> 10 (not integer
+    scales: the InnerProduct/Convolution pair of fixed resize matrices)."""
+    m = _prime(FCN())
+    torch.manual_seed(4)
+    x = torch.randn(1, 3, size, size)
+    res = from_torch(m, (x,), tmp_path / "fcn", compare="layers")
+    text = open(res.prototxt).read()
+    assert "Interp" not in text and ('type: "Deconvolution"' in text)
+    assert ('type: "InnerProduct"' in text) == (size == 38)
+    assert res.worst < 1e-5, str(res)
+    with torch.no_grad():
+        want = m(x)
+    assert _opencv_rel(res, x, [want])[0] < 1e-5
+
+
+class SSDHead(nn.Module):
+    """An SSD head: loc and conf 3x3 convolutions over two feature maps, permute(0, 2, 3, 1),
+    flatten (loc) and view to (N, -1, classes) (conf), concatenated over the maps."""
+
+    def __init__(self, classes=3, anchors=(4, 6)):
+        super().__init__()
+        self.f1 = seq(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU())
+        self.f2 = seq(nn.Conv2d(8, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU())
+        self.loc = nn.ModuleList([nn.Conv2d(8, a * 4, 3, padding=1) for a in anchors])
+        self.conf = nn.ModuleList([nn.Conv2d(8, a * classes, 3, padding=1) for a in anchors])
+        self.classes = classes
+
+    def forward(self, x):
+        f1 = self.f1(x)
+        locs, confs = [], []
+        for f, loc, conf in zip((f1, self.f2(f1)), self.loc, self.conf):
+            locs.append(loc(f).permute(0, 2, 3, 1).flatten(1))
+            confs.append(conf(f).permute(0, 2, 3, 1).reshape(x.shape[0], -1, self.classes))
+        return torch.cat(locs, 1), torch.cat(confs, 1).softmax(-1)
+
+
+def test_ssd_head_in_ssd_dialect(tmp_path):
+    m = _prime(SSDHead())
+    torch.manual_seed(5)
+    x = torch.randn(2, 3, 16, 16)
+    res = from_torch(m, (x,), tmp_path / "ssd", dialect="ssd", compare="layers")
+    text = open(res.prototxt).read()
+    assert all(f'type: "{t}"' in text for t in ("Permute", "Flatten", "Concat", "Reshape"))
+    assert res.worst < 1e-5 and len(res.outputs) == 2
+    with torch.no_grad():
+        want = m(x)
+    assert max(_opencv_rel(res, x, list(want))) < 1e-5
+    with pytest.raises(ConversionError, match="permute.*--dialect ssd"):
+        from_torch(m, (x,), tmp_path / "bvlc")
+
+
+def test_batch_override(tmp_path, capsys):
+    from brewnet.cli import main
+    from brewnet.net import Net
+
+    m = _prime(seq(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 5)))
+    res = from_torch(m, torch.randn(1, 3, 8, 8), tmp_path / "b3", batch=3)
+    net = Net(res.prototxt)
+    assert tuple(net.blobs["data"].shape) == (3, 3, 8, 8) and res.worst < 1e-5
+    x = torch.randn(1, 3, 8, 8)
+    torch.onnx.export(m, (x,), tmp_path / "m.onnx", dynamo=True, verbose=False,
+                      dynamic_shapes=({0: torch.export.Dim("n")},))
+    rc = main(["import", str(tmp_path / "m.onnx"), "--out", str(tmp_path / "o"), "--batch", "4"])
+    assert rc == 0 and tuple(Net(str(tmp_path / "o.prototxt")).blobs["data"].shape) == (4, 3, 8, 8)
+    capsys.readouterr()

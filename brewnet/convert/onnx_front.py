@@ -10,13 +10,33 @@ from .graph import ConversionError, Graph, Node
 SEED = 0
 
 
-def load(path):
+def load(path, batch: int | None = None):
+    """The ONNX model; with ``batch``, its inputs' (and outputs') first axis set to it and the
+    stored intermediate shapes dropped, so shapes are inferred at that batch."""
     import onnx
 
     try:
-        return onnx.load(str(path))
+        model = onnx.load(str(path))
     except Exception as e:  # noqa: BLE001  (a file that is not ONNX: one line)
         raise ConversionError(f"{path}: not an ONNX model ({type(e).__name__}: {e})") from None
+    if batch is None:
+        return model
+    if int(batch) < 1:
+        raise ConversionError(f"batch {batch}: expected a positive number")
+    inits = {i.name for i in model.graph.initializer}
+    for v in list(model.graph.input) + list(model.graph.output):
+        dims = v.type.tensor_type.shape.dim
+        if v.name not in inits and len(dims):
+            dims[0].Clear()
+            dims[0].dim_value = int(batch)
+    del model.graph.value_info[:]
+    try:
+        _run(model, {name: np.zeros(s, np.float32) for name, s in _static_inputs(model)}, [])
+    except Exception as e:  # noqa: BLE001  (a graph with the batch built in)
+        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ConversionError(f"{path}: does not run at batch {batch} (the graph fixes another "
+                              f"batch?): {msg}") from None
+    return model
 
 
 def _attrs(node) -> dict:
@@ -203,11 +223,16 @@ def _translate(n, consts, shapes) -> tuple[str, dict]:
         mode = mode.decode() if isinstance(mode, bytes) else mode
         ctm = a.get("coordinate_transformation_mode", b"half_pixel")
         ctm = ctm.decode() if isinstance(ctm, bytes) else ctm
-        if mode == "nearest" and ctm == "asymmetric":
-            return "upsample_nearest2d", x
+        nearest = a.get("nearest_mode", b"round_prefer_floor")
+        nearest = nearest.decode() if isinstance(nearest, bytes) else nearest
+        scales = _c(consts, i[2])        # given scales: positions map back by 1/scale (PyTorch's rule)
+        sf = [float(v) for v in np.asarray(scales).reshape(-1)[-2:]] if scales is not None \
+            and np.asarray(scales).size >= 2 else None
+        if mode == "nearest" and ctm == "asymmetric" and nearest == "floor":
+            return "upsample_nearest2d", {**x, "scale_factors": sf}
         if mode == "linear" and ctm in ("half_pixel", "pytorch_half_pixel", "align_corners"):
-            return "upsample_bilinear2d", {**x, "align_corners": ctm == "align_corners"}
-        return f"Resize({mode}, {ctm})", x
+            return "upsample_bilinear2d", {**x, "align_corners": ctm == "align_corners", "scale_factors": sf}
+        return f"Resize({mode}, {ctm}, {nearest})" if mode == "nearest" else f"Resize({mode}, {ctm})", x
     if t == "Pad":
         mode = a.get("mode", b"constant")
         mode = mode.decode() if isinstance(mode, bytes) else mode

@@ -163,20 +163,85 @@ def softmax(w, n):
 
 
 def _scales(w, x, out):
+    """The integer factors (H, W) of an upsampling, or None when either is not an integer."""
     h, wd = w.shape[x][2:]
     oh, ow = out[2:]
     if oh % h or ow % wd:
-        raise Unsupported(f"from {h}x{wd} to {oh}x{ow} (not an integer scale) has no exact Caffe mapping")
+        return None
     return oh // h, ow // wd
+
+
+def _given_scales(n) -> tuple:
+    """The scale factors the op was called with (None where it was given a size): PyTorch maps
+    output positions back by 1/scale when a scale is given, not by in/out."""
+    a = n.attrs
+    sf = a.get("scale_factors")
+    if sf:
+        return float(sf[0]), float(sf[-1])
+    return tuple(None if a.get(k) is None else float(a[k]) for k in ("scales_h", "scales_w"))
+
+
+def _integer_factors(w, n, x, out):
+    """(sh, sw) when the resize is an exact integer upsampling (given scales equal to the sizes'
+    ratio), else None."""
+    s = _scales(w, x, out)
+    if s is None:
+        return None
+    given = _given_scales(n)
+    return s if all(g is None or g == f for g, f in zip(given, s)) else None
+
+
+def _axis_matrix(mode: str, size: int, out: int, scale, corners: bool) -> np.ndarray:
+    """The (out, size) matrix of PyTorch's own 1-D resize along one axis: its op run in float64
+    on the identity, so the sample positions and weights are PyTorch's exactly."""
+    import torch
+
+    eye = torch.eye(size, dtype=torch.float64).reshape(size, 1, size, 1)
+    if mode == "bilinear":
+        y = torch.ops.aten.upsample_bilinear2d.default(eye, [out, 1], bool(corners), scale, None)
+    else:
+        y = torch.ops.aten.upsample_nearest2d.default(eye, [out, 1], scale, None)
+    return y[:, 0, :, 0].T.numpy()
+
+
+def resize_by_matrices(w, n, mode: str, corners: bool = False) -> None:
+    """Any resize that is separable along H and W (bilinear with or without aligned corners, to
+    any size or by any scale; nearest by any scale) as its two fixed linear maps in BVLC layers:
+    along W an InnerProduct with axis 3 (weights (W', W)), along H a per-channel Convolution
+    whose kernel spans the whole height (C groups of H' outputs, kernel H x 1, giving
+    (N, C*H', 1, W')), reshaped to (N, C, H', W'). Each output is PyTorch's weighted sum of the
+    same input samples (W first, then H, as PyTorch's kernel)."""
+    x, name = w.x(_in(n)), w.base()
+    nb, c, h, wd = w.shape[x]
+    oh, ow = w.shp(n.outs[0])[2:]
+    s_h, s_w = _given_scales(n)
+    a_h = _axis_matrix(mode, h, oh, s_h, corners)
+    a_w = _axis_matrix(mode, wd, ow, s_w, corners)
+    do_h = a_h.shape != (h, h) or not np.array_equal(a_h, np.eye(h))
+    if a_w.shape != (wd, wd) or not np.array_equal(a_w, np.eye(wd)):
+        x = w.layer("InnerProduct", [x], f"{name}/w" if do_h else name, blobs=[a_w], shape=(nb, c, h, ow),
+                    inner_product_param={"num_output": ow, "bias_term": False, "axis": 3})
+    if do_h:
+        wt = np.broadcast_to(a_h[None, :, :, None], (c, oh, h, 1)).reshape(c * oh, 1, h, 1)
+        p = {"num_output": c * oh, "bias_term": False}
+        p.update({"group": c} if c != 1 else {})
+        p.update({"kernel_h": h, "kernel_w": 1} if h != 1 else {"kernel_size": 1})
+        t = w.layer("Convolution", [x], f"{name}/h", blobs=[wt], shape=(nb, c * oh, 1, ow),
+                    convolution_param=p)
+        x = w.reshape(t, (nb, c, oh, ow), name)
+    w.bind(n.outs[0], x)
 
 
 @handles("upsample_nearest2d")
 def nearest(w, n):
     """Nearest upsampling by an integer factor: a per-channel Deconvolution with a kernel of ones
-    and stride = kernel = the factor (exact); Upsample in forks."""
+    and stride = kernel = the factor (exact); Upsample in forks. Other scales: resize_by_matrices."""
     x, name = w.x(_in(n)), w.base()
     out = w.shp(n.outs[0])
-    sh, sw = _scales(w, x, out)
+    factors = _integer_factors(w, n, x, out)
+    if factors is None:
+        return resize_by_matrices(w, n, "nearest")
+    sh, sw = factors
     c = w.shape[x][1]
     if w.dialect == "forks" and sh == sw:
         return w.bind(n.outs[0], w.layer("Upsample", [x], name, shape=out, upsample_param={"scale": sh}))
@@ -199,15 +264,19 @@ def bilinear(w, n):
     """align_corners=False by an integer factor s: the edge rows and columns repeated once (Slice
     and Concat), then a per-channel Deconvolution with Caffe's bilinear kernel (2s - s%2 wide),
     stride s and pad (3s - s%2)/2, which lands exactly on PyTorch's sample positions and crops to
-    s times the size. align_corners=True: Interp (forks)."""
+    s times the size. align_corners=True: Interp in forks (DeepLab's Interp aligns corners).
+    Any other size or scale, and align_corners=True in bvlc/ssd: resize_by_matrices."""
     x, name = w.x(_in(n)), w.base()
     out = w.shp(n.outs[0])
     if n.attrs.get("align_corners"):
-        if w.dialect != "forks":
-            raise Unsupported("with align_corners=True has no exact BVLC composition", ("forks",))
-        return w.bind(n.outs[0], w.layer("Interp", [x], name, shape=out,
-                                         interp_param={"height": out[2], "width": out[3]}))
-    sh, sw = _scales(w, x, out)
+        if w.dialect == "forks":
+            return w.bind(n.outs[0], w.layer("Interp", [x], name, shape=out,
+                                             interp_param={"height": out[2], "width": out[3]}))
+        return resize_by_matrices(w, n, "bilinear", corners=True)
+    factors = _integer_factors(w, n, x, out)
+    if factors is None:
+        return resize_by_matrices(w, n, "bilinear")
+    sh, sw = factors
     if (sh, sw) == (1, 1):
         return w.bind(n.outs[0], x)
     c = w.shape[x][1]

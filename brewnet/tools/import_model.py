@@ -27,6 +27,9 @@ def add_arguments(p) -> None:
                    help="a PyTorch model: a callable that returns the nn.Module (importable from here)")
     p.add_argument("--input-shape", action="append", default=None, metavar="N,C,H,W",
                    help="the example input's shape (once per input; needed with --torch)")
+    p.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="the written Input's fixed batch (replaces --input-shape's first number; "
+                        "sets an ONNX model's batch axis, symbolic or not)")
     p.add_argument("--out", "-out", default=None, metavar="PREFIX",
                    help="writes PREFIX.prototxt and PREFIX.caffemodel")
     p.add_argument("--dialect", default="bvlc", choices=("bvlc", "ssd", "forks"),
@@ -96,7 +99,7 @@ def run(args) -> int:
         if args.torch:
             import torch
 
-            shapes = _shapes(args)
+            shapes = [((args.batch,) + s[1:]) if args.batch and s else s for s in _shapes(args)]
             if not shapes:
                 raise CLIError("--torch needs --input-shape N,C,H,W (once per input)")
             module = _factory(args.torch)
@@ -109,10 +112,10 @@ def run(args) -> int:
                                      tolerance=args.tolerance, prove_it=args.compare != "none")
         else:
             if args.check:
-                return _print_check(convert.check_onnx(args.model, args.dialect), args.dialect)
+                return _print_check(convert.check_onnx(args.model, args.dialect, args.batch), args.dialect)
             res = convert.from_onnx(args.model, args.out, dialect=args.dialect, fold_bn=args.fold_bn,
                                     input_names=names, compare=args.compare, tolerance=args.tolerance,
-                                    prove_it=args.compare != "none")
+                                    prove_it=args.compare != "none", batch=args.batch)
     except USER_ERRORS as e:
         return report(COMMAND, e)
     print(f"wrote {res.prototxt} and {res.caffemodel}: {res.layers} layers ({res.dialect}), "
