@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..execution import determinism, threads
+from ..execution import determinism, threads, wgrad
 
 FLT_MAX = 3.4028234663852886e38   # Caffe's start value for MAX pooling (-FLT_MAX)
 FLT_MIN = 1.1754943508222875e-38  # Caffe's start value for the STOCHASTIC TEST denominator
@@ -374,8 +374,8 @@ def _thread_invariant_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 class _Conv2d(torch.autograd.Function):
     """torch's 2-D convolution (oneDNN) with a weight gradient of the same bits on every thread
-    count: oneDNN's where it has them, else Caffe's per-image im2col product
-    (brewnet/execution/determinism.py). The input gradient is oneDNN's (one thread per output element)."""
+    count: the batch in chunks fixed by the shape, each on one thread (brewnet/execution/wgrad.py).
+    The input gradient is oneDNN's (one thread per output element)."""
 
     @staticmethod
     def forward(ctx, x, w, b, stride, pad, dilation, groups):
@@ -391,16 +391,13 @@ class _Conv2d(torch.autograd.Function):
         stride, pad, dilation, groups = ctx.conv
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
-        if determinism.onednn_invariant(x, w, stride, pad, dilation, groups):
-            dx, dw, db = determinism.onednn_backward(dy, x, w, stride, pad, dilation, groups,
-                                                     [need_x, need_w, need_b])
-            return dx, dw, db, None, None, None, None
-        dx = None
+        dx = dw = db = None
         if need_x:
             dx = determinism.onednn_backward(dy, x, w, stride, pad, dilation, groups,
                                              [True, False, False])[0]
-        dw, db = determinism.per_image_wgrad(dy, x, w, stride, pad, dilation, groups, need_b)
-        return dx, dw if need_w else None, db, None, None, None, None
+        if need_w or need_b:
+            dw, db = wgrad.weight_grad(dy, x, w, stride, pad, dilation, groups)
+        return dx, dw if need_w else None, db if need_b else None, None, None, None, None
 
 
 def conv_nd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Ints,

@@ -1,0 +1,242 @@
+"""A 2-D convolution's weight gradient with the same bits on any thread count, at oneDNN's speed.
+
+The batch is cut into a number of chunks that follows the shape only (``chunks``: never the thread
+count); each chunk's weight and bias gradients come from one kernel run on ONE thread: oneDNN's
+(``convolution_backward``) or im2col and one matrix product per group (``gemm``, Caffe's
+formulation; MKL in strict mode); the chunks run in parallel on a pool of one-thread workers, as
+many as the caller's torch threads, and their sums are added in chunk order. So 1, 2, 4 or any
+number of threads, oversubscribed ones too, give the same bits by construction.
+
+The kernel is chosen once per shape (``choose``, logged): one chunk of each, timed on one thread
+(so the caller's count does not enter), interleaved; im2col + GEMM only when it is ``MARGIN``
+times faster (a near tie stays with oneDNN, so the choice does not flip with a neighbour's load).
+Deterministic mode (``determinism.set_deterministic``) pins ``gemm`` untimed: im2col and MKL's
+strict products, as Caffe's per-image path it replaces, asking oneDNN nothing.
+It runs as one op, ``torch.ops.brewnet.conv2d_weight_grad``, so a recorded step
+(``recording.py``) replays it whole (its chunks on one thread each again).
+``BREWNET_CONV_WGRAD`` (benchmarks): ``auto`` (default), ``onednn``, ``gemm``, or ``old`` (the
+previous rule: oneDNN on all threads where its bits held on every count, else per image).
+Measurements: ``benchmarks/conv_wgrad.py``, docs/performance.md.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn.functional as F
+
+from . import determinism
+
+log = logging.getLogger("brewnet")
+KERNELS = ("onednn", "gemm")
+MAX_CHUNKS = 8          # fixed: the bits follow the chunks, the speed the workers
+MIN_CHUNK_FLOPS = 2e6   # smaller chunks cost more in calls than the parallelism saves
+MARGIN = 1.25
+_lock = threading.Lock()
+_choice: dict[tuple, tuple[str, int]] = {}
+
+
+def chunks(x_shape, w_shape, out_hw) -> int:
+    """How many chunks the batch is cut into: a function of the shape only."""
+    n = x_shape[0]
+    flops = 2.0 * n * w_shape[0] * w_shape[1] * w_shape[2] * w_shape[3] * out_hw[0] * out_hw[1]
+    return max(1, min(n, MAX_CHUNKS, int(flops // MIN_CHUNK_FLOPS)))
+
+
+def bounds(n: int, k: int) -> list[int]:
+    """Chunk boundaries of a batch of ``n`` in ``k`` near-equal chunks (larger ones first)."""
+    q, r = divmod(n, k)
+    out = [0]
+    for i in range(k):
+        out.append(out[-1] + q + (1 if i < r else 0))
+    return out
+
+
+def _onednn(dy, x, w, stride, pad, dilation, groups):
+    _, gw, gb = determinism.onednn_backward(dy, x, w, stride, pad, dilation, groups,
+                                            [False, True, True])
+    return gw, gb
+
+
+def _gemm(dy, x, w, stride, pad, dilation, groups):
+    """im2col of the chunk and one matrix product per group over all its pixels."""
+    n, c = x.shape[:2]
+    o, g = w.shape[0], groups
+    kk = tuple(w.shape[2:])
+    cols = F.unfold(x, kk, tuple(dilation), tuple(pad), tuple(stride))     # n, c*kh*kw, L
+    length = cols.shape[-1]
+    ck = (c // g) * kk[0] * kk[1]
+    cols = cols.view(n, g, ck, length).permute(1, 0, 3, 2).reshape(g, n * length, ck)
+    d = dy.reshape(n, g, o // g, length).permute(1, 2, 0, 3).reshape(g, o // g, n * length)
+    return torch.bmm(d, cols).view(w.shape), dy.sum((0, 2, 3))
+
+
+_KERNEL = {"onednn": _onednn, "gemm": _gemm}
+
+
+def _omp_set_num_threads():
+    for lib in (os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"), None):
+        try:
+            fn = ctypes.CDLL(lib).omp_set_num_threads
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], None
+        return fn
+    return None
+
+
+_OMP_SET = _omp_set_num_threads()
+_pools: dict[tuple[int, int], ThreadPoolExecutor | None] = {}
+
+
+def _one_thread() -> None:
+    """A worker's start: torch's own thread setup first (it would reset the count at its first
+    parallel op), then OpenMP (oneDNN, ATen) and MKL on one thread in this thread only."""
+    torch.get_num_threads()
+    if _OMP_SET is not None:
+        _OMP_SET(1)
+    determinism.blas_on_one_thread()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor | None:
+    """``workers`` one-thread workers (per process: a forked child starts its own), or None
+    where a worker cannot be held to one thread (no OpenMP entry point found)."""
+    key = (os.getpid(), workers)
+    if key not in _pools:
+        with _lock:
+            if key not in _pools:
+                pool = ThreadPoolExecutor(workers, "brewnet-wgrad", initializer=_one_thread)
+                ok = _OMP_SET is not None and all(
+                    f.result() == 1 for f in [pool.submit(torch.get_num_threads)
+                                              for _ in range(workers)])
+                if not ok:
+                    pool.shutdown(wait=False)
+                    pool = None
+                    log.debug("convolution weight gradient: a worker thread could not be held "
+                              "to one thread; chunks run one after another in the caller")
+                _pools[key] = pool
+    return _pools[key]
+
+
+def _on_one_thread(fn, *args):
+    """``fn(*args)`` on one thread: in the caller when it runs one, else on a worker."""
+    if torch.get_num_threads() == 1:
+        with determinism.blas_on_one_thread_here():
+            return fn(*args)
+    pool = _pool(1)
+    if pool is not None:
+        return pool.submit(fn, *args).result()
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with determinism.blas_on_one_thread_here():
+            return fn(*args)
+    finally:
+        torch.set_num_threads(n)
+        determinism.blas_on_one_thread()
+
+
+def _run(dy, x, w, stride, pad, dilation, groups, kernel: str, k: int):
+    fn = _KERNEL[kernel]
+    b = bounds(x.shape[0], k)
+    parts = [(dy[b[i]:b[i + 1]], x[b[i]:b[i + 1]], w, stride, pad, dilation, groups)
+             for i in range(k)]
+    workers = min(k, torch.get_num_threads())
+    pool = _pool(workers) if workers > 1 else None
+    if pool is not None:
+        res = list(pool.map(lambda a: fn(*a), parts))
+    else:
+        res = [_on_one_thread(fn, *a) for a in parts]
+    gw, gb = res[0][0].clone(), res[0][1].clone()
+    for a, c in res[1:]:        # in chunk order, whoever finished first
+        gw.add_(a)
+        gb.add_(c)
+    return gw, gb
+
+
+def _impl(dy, x, w, stride, pad, dilation, groups, kernel, k):
+    with torch.no_grad():
+        return _run(dy, x, w, stride, pad, dilation, groups, kernel, k)
+
+
+_lib = torch.library.Library("brewnet", "FRAGMENT")
+_lib.define("conv2d_weight_grad(Tensor dy, Tensor x, Tensor w, int[] stride, int[] pad, "
+            "int[] dilation, int groups, str kernel, int chunks) -> (Tensor, Tensor)")
+_lib.impl("conv2d_weight_grad", _impl, "CPU")
+
+
+def _time_chunk(x_shape, w_shape, stride, pad, dilation, groups, cl, k) -> dict[str, float]:
+    """ms of each kernel on the largest chunk, on one thread: median of 3 interleaved rounds."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn((bounds(x_shape[0], k)[1], *x_shape[1:]), generator=gen)
+    w = torch.randn(w_shape, generator=gen)
+    with torch.no_grad():
+        dy = torch.randn(F.conv2d(x, w, None, stride, pad, dilation, groups).shape, generator=gen)
+    if cl:
+        x, dy = (t.contiguous(memory_format=torch.channels_last) for t in (x, dy))
+
+    def rounds():
+        got = {name: [] for name in KERNELS}
+        for r in range(4):
+            for name in KERNELS:
+                t0 = time.perf_counter()
+                _KERNEL[name](dy, x, w, stride, pad, dilation, groups)
+                if r:           # the first round warms oneDNN's primitive cache
+                    got[name].append(time.perf_counter() - t0)
+        return {name: statistics.median(v) * 1e3 for name, v in got.items()}
+
+    return _on_one_thread(rounds)
+
+
+def _forced() -> str:
+    from .process import env_switch
+
+    return env_switch("BREWNET_CONV_WGRAD", "auto", ("auto", "old") + KERNELS)
+
+
+def choose(x: torch.Tensor, w: torch.Tensor, stride, pad, dilation, groups) -> tuple[str, int]:
+    """(kernel, chunks) for this shape and layout: decided once, logged; ``gemm`` in
+    deterministic mode."""
+    cl = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    det = determinism.is_deterministic()
+    key = (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(pad), tuple(dilation), groups, cl,
+           det)
+    got = _choice.get(key)
+    if got is not None:
+        return got
+    k = chunks(x.shape, w.shape, [(s + 2 * p - d * (kk - 1) - 1) // st + 1 for s, p, d, kk, st
+                                  in zip(x.shape[2:], pad, dilation, w.shape[2:], stride)])
+    forced = _forced()
+    if det:
+        got, why = ("gemm", k), "pinned (deterministic mode)"
+    elif forced in KERNELS:
+        got, why = (forced, k), "BREWNET_CONV_WGRAD"
+    else:
+        ms = _time_chunk(x.shape, w.shape, stride, pad, dilation, groups, cl, k)
+        name = "gemm" if ms["gemm"] * MARGIN < ms["onednn"] else "onednn"
+        got = (name, k)
+        why = "one chunk on one thread: " + ", ".join(f"{n} {v:.2f} ms" for n, v in ms.items())
+    with _lock:
+        got = _choice.setdefault(key, got)
+    log.info("convolution %s x %s (stride %s, pad %s, group %d): weight gradient by %s in %d "
+             "chunks (%s)", tuple(x.shape), tuple(w.shape), tuple(stride), tuple(pad), groups,
+             got[0], got[1], why)
+    return got
+
+
+def weight_grad(dy, x, w, stride, pad, dilation, groups):
+    """(weight gradient, bias gradient) of a CPU float32 2-D convolution: the same bits on any
+    thread count."""
+    if _forced() == "old":
+        if determinism.onednn_invariant(x, w, stride, pad, dilation, groups):
+            return _onednn(dy, x, w, stride, pad, dilation, groups)
+        return determinism.per_image_wgrad(dy, x, w, stride, pad, dilation, groups, True)
+    kernel, k = choose(x, w, stride, pad, dilation, groups)
+    return torch.ops.brewnet.conv2d_weight_grad(dy, x, w, list(stride), list(pad),
+                                                list(dilation), groups, kernel, k)

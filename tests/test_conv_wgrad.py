@@ -1,0 +1,127 @@
+"""A convolution's weight gradient in chunks (brewnet/execution/wgrad.py): the same bits on 1, 2
+and 4 threads for each kernel and shape family, float64's numbers within tolerance, one op in a
+recorded step, and a real net trained past the switch against the previous per-image path."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import brewnet  # noqa: F401
+from brewnet.execution import determinism, recording, wgrad
+from brewnet.layers.functional import conv_nd
+from helpers import random_digits_lmdb
+from test_merge import conv_net, params_of, solver
+
+# (x, w, stride, pad, dilation, groups): plain, strided + padded, grouped, depthwise, 1x1,
+# dilated, an odd batch (uneven chunks), a batch of one
+FAMILIES = {
+    "plain": ((16, 3, 20, 20), (8, 3, 5, 5), 1, 0, 1, 1),
+    "strided": ((10, 3, 39, 39), (12, 3, 7, 7), 4, 2, 1, 1),
+    "grouped": ((8, 16, 13, 13), (24, 8, 3, 3), 1, 1, 1, 2),
+    "depthwise": ((8, 16, 28, 28), (16, 1, 3, 3), 1, 1, 1, 16),
+    "pointwise": ((8, 32, 14, 14), (64, 32, 1, 1), 1, 0, 1, 1),
+    "dilated": ((8, 8, 20, 20), (8, 8, 3, 3), 1, 2, 2, 1),
+    "odd batch": ((13, 20, 12, 12), (50, 20, 5, 5), 1, 0, 1, 1),
+    "batch of one": ((1, 8, 30, 30), (8, 8, 3, 3), 1, 1, 1, 1),
+}
+
+
+def case(name, channels_last=False):
+    xs, ws, s, p, d, g = FAMILIES[name]
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(xs, generator=gen), torch.randn(ws, generator=gen)
+    with torch.no_grad():
+        dy = torch.randn(torch.nn.functional.conv2d(x, w, None, s, p, d, g).shape, generator=gen)
+    if channels_last:
+        x, dy = (t.contiguous(memory_format=torch.channels_last) for t in (x, dy))
+    return dy, x, w, (s, s), (p, p), (d, d), g
+
+
+def at_threads(n, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kernel", wgrad.KERNELS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_kernel_same_bits_on_1_2_4_threads_and_float64_within_tolerance(family, kernel):
+    dy, x, w, s, p, d, g = case(family, channels_last=family == "grouped")
+    k = wgrad.chunks(x.shape, w.shape, dy.shape[2:])
+    runs = [at_threads(n, lambda: torch.ops.brewnet.conv2d_weight_grad(
+        dy, x, w, list(s), list(p), list(d), g, kernel, k)) for n in (1, 2, 4)]
+    for gw, gb in runs[1:]:
+        assert torch.equal(gw, runs[0][0]) and torch.equal(gb, runs[0][1])
+    _, rw, rb = determinism.onednn_backward(dy.double(), x.double(), w.double(), s, p, d, g,
+                                            [False, True, True])
+    gw, gb = runs[0]
+    assert (gw.double() - rw).abs().max() <= 1e-5 * rw.abs().max()
+    assert (gb.double() - rb).abs().max() <= 1e-5 * rb.abs().max()
+
+
+def test_chunks_follow_the_shape_only():
+    assert wgrad.bounds(13, 4) == [0, 4, 7, 10, 13]
+    shape = ((64, 1, 28, 28), (20, 1, 5, 5), (24, 24))
+    got = {at_threads(n, lambda: wgrad.chunks(*shape)) for n in (1, 2, 4)}
+    assert got == {wgrad.MAX_CHUNKS}
+    assert wgrad.chunks((4, 1, 4, 4), (1, 1, 3, 3), (2, 2)) == 1       # tiny: one chunk
+
+
+def test_choice_once_per_shape_logged_and_pinned_in_deterministic_mode(caplog, monkeypatch):
+    dy, x, w, s, p, d, g = case("pointwise")
+    x = x[:7]                                  # a shape no other test chose
+    with caplog.at_level(logging.INFO, logger="brewnet"):
+        first = wgrad.choose(x, w, s, p, d, g)
+        assert wgrad.choose(x, w, s, p, d, g) == first
+    lines = [r.getMessage() for r in caplog.records if "weight gradient by" in r.getMessage()]
+    assert len(lines) == 1 and "one chunk on one thread" in lines[0]
+    assert first[0] in wgrad.KERNELS
+    monkeypatch.setitem(determinism._state, "on", True)
+    timed = []
+    monkeypatch.setattr(wgrad, "_time_chunk", lambda *a: timed.append(a))
+    assert wgrad.choose(x, w, s, p, d, g)[0] == "gemm" and not timed
+
+
+def test_conv_backward_in_a_recording_replays_the_chunks_on_any_thread_count():
+    """The chunks are one op: a recorded step's replay runs them again, one thread each."""
+    _, x, w, s, p, d, g = case("plain")
+    w = w.requires_grad_()
+
+    def step(x):
+        w.grad = None
+        conv_nd(x, w, None, s, p, d, g).square().sum().backward()
+        return (w.grad,)
+
+    eager = step(x)[0].clone()
+    gm = recording.record(step, [x])
+    ops = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "brewnet.conv2d_weight_grad.default" in ops
+    for n in (1, 2, 4):
+        assert torch.equal(at_threads(n, lambda: gm(x)[0]), eager)
+
+
+def test_a_real_net_past_the_switch_same_bits_on_1_and_2_threads_near_the_per_image_path(
+        tmp_path, monkeypatch):
+    """LeNet's first layers trained with the step graph on from the first iteration: 1 and 2
+    threads give the same weights; the previous per-image path the same within float32's
+    rounding."""
+    lmdb = random_digits_lmdb(tmp_path / "digits", 64, 28, seed=5)
+    net = conv_net(lmdb, 16, 20, 5)
+    monkeypatch.setenv("BREWNET_STEP_GRAPH", "1")
+    got = {}
+    for label, n, how in (("one", 1, "auto"), ("two", 2, "auto"), ("old", 2, "old")):
+        monkeypatch.setenv("BREWNET_CONV_WGRAD", how)
+        monkeypatch.setenv("BREWNET_THREADS", str(n))
+        s, _ = solver(tmp_path, label, net, seed=4, momentum=0.9, iters=6)
+        s.step(6)
+        got[label] = params_of(s.net)
+    for layer, blobs in got["one"].items():
+        for a, b, c in zip(blobs, got["two"][layer], got["old"][layer]):
+            assert a.tobytes() == b.tobytes(), layer
+            np.testing.assert_allclose(a, c, rtol=0, atol=1e-4 * np.abs(c).max())
