@@ -405,3 +405,15 @@ def test_batch_override(tmp_path, capsys):
     rc = main(["import", str(tmp_path / "m.onnx"), "--out", str(tmp_path / "o"), "--batch", "4"])
     assert rc == 0 and tuple(Net(str(tmp_path / "o.prototxt")).blobs["data"].shape) == (4, 3, 8, 8)
     capsys.readouterr()
+
+
+def test_conv_on_a_1x1_map_keeps_the_taps_that_read_it(tmp_path):
+    """SSDLite's last maps are 1x1: a padded 3x3 (depthwise) convolution there reads the input at
+    its centre tap only; written as that 1x1 kernel (OpenCV's depthwise 3x3 on a 1x1 map is wrong)."""
+    m = seq(nn.Conv2d(4, 4, 3, padding=1, groups=4), nn.Conv2d(4, 6, 5, padding=4, dilation=2))
+    x = torch.randn(1, 4, 1, 1)
+    res = from_torch(m, (x,), tmp_path / "c")
+    assert "kernel_size: 3" not in open(res.prototxt).read() and res.worst < 1e-6
+    with torch.no_grad():
+        want = m(x)
+    assert _opencv_rel(res, x, [want])[0] < 1e-6

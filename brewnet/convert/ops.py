@@ -82,6 +82,15 @@ def conv(w, n):
     else:
         x, pad = _sym(w, x, _pads4(a.get("padding") or 0, k, dil), name)
         num = wt.shape[0]
+        taps = [p_ // d for p_, d in zip(pad, dil)]
+        if tuple(w.shape[x][2:]) == (1, 1) == tuple(w.shp(n.outs[0])[2:]) and max(k) > 1 and \
+                all(p_ % d == 0 and t < kk for p_, d, t, kk in zip(pad, dil, taps, k)):
+            # a 1x1 map: only the taps at the padding's offset read the input, every other one
+            # reads padding (zeros), so the kernel is those taps alone: the same sums, and no
+            # reliance on a framework's padded small-map path (OpenCV's depthwise 3x3 on a 1x1
+            # map is wrong)
+            wt = wt[:, :, taps[0]:taps[0] + 1, taps[1]:taps[1] + 1]
+            k, pad, stride, dil = (1, 1), (0, 0), (1, 1), (1, 1)
     bias = a.get("bias")
     blobs = [wt] + ([w.g.consts[bias]] if bias is not None else [])
     p.update(num_output=int(num), bias_term=bias is not None, **_hw("kernel", k))
