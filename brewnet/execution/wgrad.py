@@ -37,7 +37,7 @@ log = logging.getLogger("brewnet")
 KERNELS = ("onednn", "gemm")
 MAX_CHUNKS = 8          # fixed: the bits follow the chunks, the speed the workers
 MIN_CHUNK_FLOPS = 2e6   # smaller chunks cost more in calls than the parallelism saves
-MARGIN = 1.25
+MARGIN = 2.0     # GEMM must win by this much: a near tie stays with oneDNN whatever the load
 _lock = threading.Lock()
 _choice: dict[tuple, tuple[str, int]] = {}
 
