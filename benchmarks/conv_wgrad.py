@@ -2,6 +2,7 @@
 
     python benchmarks/conv_wgrad.py [--nets lenet,cifar10_quick,caffenet,mobilenet,resnet]
                                     [--rounds 5] [--threads 2] [--no-per-image]
+    python benchmarks/conv_wgrad.py --profile cifar10_quick [--iterations 5]
 
 Every convolution of LeNet (batch 64), CIFAR10-quick (batch 100) and CaffeNet (batch 10, as
 ``brewnet time`` of the CaffeNet-like net), from the BVLC prototxts, and a MobileNet depthwise
@@ -15,13 +16,18 @@ be shared):
   the same bits (the previous rule kept it only then);
 - ``chunks oneDNN`` / ``chunks GEMM``: ``brewnet/execution/wgrad.py``'s chunks (one thread each,
   in parallel) by each kernel; both always the same bits on 1, 2 and 4 threads (checked: ``bits``);
-- ``old``: what the previous rule ran; ``chosen``: the kernel ``wgrad.choose`` picks here;
+- ``old``: what the previous rule ran; ``chosen``: the path ``wgrad.choose`` picks here;
 - ``err``: the chosen path's largest difference from a float64 weight gradient, relative to its
   largest magnitude.
+
+``--profile NET``: torch.profiler's top ops (self CPU) over ``--iterations`` forward + backward
+passes of the net (``brewnet time``'s pass) with the previous rule (``BREWNET_CONV_WGRAD=old``)
+and with the chunks, in one process.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -30,9 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# brewnet before torch, as the CLI: MKL's strict mode, and OpenMP's passive wait (a spinning
+# OpenMP thread of the caller steals a chunk worker's core)
+import brewnet  # noqa: E402,F401,I001
 import torch  # noqa: E402
-
-import brewnet  # noqa: E402,F401  (first: MKL's strict mode)
 from brewnet.execution import determinism, wgrad  # noqa: E402
 from brewnet.net import Net  # noqa: E402
 from brewnet.proto import caffe_pb2 as pb  # noqa: E402
@@ -82,14 +89,41 @@ def same_on(fn, counts=(1, 2, 4)) -> bool:
         torch.set_num_threads(before)
 
 
+def profile(name: str, iterations: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    from brewnet.analysis.timing import time_net
+
+    path, shape = PROTOS[name]
+    net = Net(with_input(MODELS / path, shape), pb.TRAIN)
+    gen = torch.Generator().manual_seed(1)
+    net.blobs["data"].tensor.copy_(torch.rand(net.blobs["data"].shape, generator=gen))
+    net.blobs["label"].tensor.copy_(torch.randint(0, 10, (shape[0],), generator=gen).float())
+    for how in ("old", "auto"):
+        os.environ["BREWNET_CONV_WGRAD"] = how
+        time_net(net, 2)
+        with prof(activities=[ProfilerActivity.CPU]) as p:
+            t = time_net(net, iterations, warmup=0)
+        ms = (t.forward_total_ms + t.backward_total_ms) / iterations
+        print(f"\n### {name}, BREWNET_CONV_WGRAD={how}: {ms:.1f} ms a forward + backward "
+              f"({torch.get_num_threads()} threads)\n")
+        print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+    os.environ.pop("BREWNET_CONV_WGRAD")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nets", default="lenet,cifar10_quick,caffenet,mobilenet,resnet")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-per-image", action="store_true", help="skip the slow per-image column")
+    ap.add_argument("--profile", metavar="NET", help="torch.profiler tables of NET, old and new")
+    ap.add_argument("--iterations", type=int, default=5)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.profile:
+        return profile(a.profile, a.iterations)
     print(f"torch {torch.__version__}, {a.threads} threads, median of {a.rounds} interleaved "
           f"rounds, ms of one weight + bias gradient\n")
     print("| net | layer | x | w | per-image | oneDNN (same) | chunks oneDNN | chunks GEMM | old "
@@ -105,7 +139,8 @@ def main() -> None:
                                  generator=gen)
             dil = (1, 1)
             k = wgrad.chunks(xs, ws, dy.shape[2:])
-            kernel, _ = wgrad.choose(x, w, stride, pad, dil, g)
+            how, _ = wgrad.choose(x, w, stride, pad, dil, g)
+            kernel = {"oneDNN": "oneDNN", "per-image": "per-image"}.get(how, how[len("chunks/"):])
             inv = determinism.onednn_invariant(x, w, stride, pad, dil, g)
 
             def chunked(name):
@@ -135,7 +170,7 @@ def main() -> None:
             print(f"| {net} | {layer} | {'x'.join(map(str, xs))} | {'x'.join(map(str, ws))}"
                   f"{'/g' + str(g) if g > 1 else ''} | {ms.get('per-image', float('nan')):.2f} | "
                   f"{ms['oneDNN']:.2f} ({'yes' if inv else 'no'}) | {ms['onednn']:.2f} | "
-                  f"{ms['gemm']:.2f} | {old} | {kernel} x{k} | {'same' if bits else 'DIFFER'} | "
+                  f"{ms['gemm']:.2f} | {old} | {how} | {'same' if bits else 'DIFFER'} | "
                   f"{err:.1e} |", flush=True)
 
 

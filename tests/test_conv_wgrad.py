@@ -75,23 +75,27 @@ def test_chunks_follow_the_shape_only():
 
 def test_choice_once_per_shape_logged_and_pinned_in_deterministic_mode(caplog, monkeypatch):
     dy, x, w, s, p, d, g = case("pointwise")
-    x = x[:7]                                  # a shape no other test chose
+    monkeypatch.setattr(determinism, "onednn_invariant", lambda *a: False)
     with caplog.at_level(logging.INFO, logger="brewnet"):
-        first = wgrad.choose(x, w, s, p, d, g)
-        assert wgrad.choose(x, w, s, p, d, g) == first
+        first = wgrad.choose(x[:7], w, s, p, d, g)         # a shape no other test chose
+        assert wgrad.choose(x[:7], w, s, p, d, g) == first
     lines = [r.getMessage() for r in caplog.records if "weight gradient by" in r.getMessage()]
     assert len(lines) == 1 and "one chunk on one thread" in lines[0]
-    assert first[0] in wgrad.KERNELS
+    assert first in {("chunks/" + k, wgrad.chunks(x[:7].shape, w.shape, dy.shape[2:]))
+                     for k in wgrad.KERNELS}
+    monkeypatch.setattr(determinism, "onednn_invariant", lambda *a: True)
+    assert wgrad.choose(x[:6], w, s, p, d, g) == ("oneDNN", 1)   # its bits held on every count
     monkeypatch.setitem(determinism._state, "on", True)
     timed = []
     monkeypatch.setattr(wgrad, "_time_chunk", lambda *a: timed.append(a))
-    assert wgrad.choose(x, w, s, p, d, g)[0] == "gemm" and not timed
+    assert wgrad.choose(x[:5], w, s, p, d, g) == ("per-image", 1) and not timed
 
 
-def test_conv_backward_in_a_recording_replays_the_chunks_on_any_thread_count():
+def test_conv_backward_in_a_recording_replays_the_chunks_on_any_thread_count(monkeypatch):
     """The chunks are one op: a recorded step's replay runs them again, one thread each."""
     _, x, w, s, p, d, g = case("plain")
     w = w.requires_grad_()
+    monkeypatch.setenv("BREWNET_CONV_WGRAD", "onednn")      # the chunks whatever oneDNN does
 
     def step(x):
         w.grad = None
@@ -108,20 +112,28 @@ def test_conv_backward_in_a_recording_replays_the_chunks_on_any_thread_count():
 
 def test_a_real_net_past_the_switch_same_bits_on_1_and_2_threads_near_the_per_image_path(
         tmp_path, monkeypatch):
-    """LeNet's first layers trained with the step graph on from the first iteration: 1 and 2
-    threads give the same weights; the previous per-image path the same within float32's
-    rounding."""
+    """LeNet's first layers trained with the step graph on from the first iteration, as a user
+    gets them (``auto``) and with every convolution in chunks: 1 and 2 threads give the same
+    weights, and the previous path (per-image where oneDNN's bits differ) the same within
+    float32's rounding."""
     lmdb = random_digits_lmdb(tmp_path / "digits", 64, 28, seed=5)
     net = conv_net(lmdb, 16, 20, 5)
     monkeypatch.setenv("BREWNET_STEP_GRAPH", "1")
     got = {}
-    for label, n, how in (("one", 1, "auto"), ("two", 2, "auto"), ("old", 2, "old")):
-        monkeypatch.setenv("BREWNET_CONV_WGRAD", how)
-        monkeypatch.setenv("BREWNET_THREADS", str(n))
-        s, _ = solver(tmp_path, label, net, seed=4, momentum=0.9, iters=6)
-        s.step(6)
-        got[label] = params_of(s.net)
-    for layer, blobs in got["one"].items():
-        for a, b, c in zip(blobs, got["two"][layer], got["old"][layer]):
-            assert a.tobytes() == b.tobytes(), layer
-            np.testing.assert_allclose(a, c, rtol=0, atol=1e-4 * np.abs(c).max())
+    for how in ("auto", "onednn", "old"):
+        for n in (1, 2):
+            monkeypatch.setenv("BREWNET_CONV_WGRAD", how)
+            monkeypatch.setenv("BREWNET_THREADS", str(n))
+            s, _ = solver(tmp_path, f"{how}{n}", net, seed=4, momentum=0.9, iters=6)
+            s.step(6)
+            got[how, n] = params_of(s.net)
+            graph = getattr(s, "_graph", None)
+            assert graph is not None and graph.gm is not None     # replayed past iteration 1
+            if how == "onednn":
+                assert "brewnet.conv2d_weight_grad.default" in {
+                    str(node.target) for node in graph.gm.graph.nodes}
+    for layer, want in got["old", 2].items():
+        for how in ("auto", "onednn"):
+            for a, b, c in zip(got[how, 1][layer], got[how, 2][layer], want):
+                assert a.tobytes() == b.tobytes(), (how, layer)
+                np.testing.assert_allclose(a, c, rtol=0, atol=1e-4 * np.abs(c).max())

@@ -5,13 +5,12 @@ the net's size and the cores), else a net trained merged, together or elsewhere 
 other weights than alone. Two kinds of kernel split a sum between threads:
 - **BLAS products**: ``MKL_CBWR=AUTO,STRICT`` (set on ``import brewnet`` unless set), and a
   training thread runs MKL on one thread (``blas_on_one_thread``); large InnerProducts use oneDNN.
-- **a convolution's weight gradient** (oneDNN's reduces the batch one partial sum per thread):
-  the batch in chunks fixed by the shape, each on one thread, added in order (``wgrad.py``).
-  ``onednn_invariant`` and ``per_image_wgrad`` (the previous rule) stay for ``BREWNET_CONV_WGRAD=old``.
+- **oneDNN's convolution weight gradient**: each shape is checked once on 1 thread and on each of
+  ``counts()``; where they differ, the batch in chunks fixed by the shape, each chunk on one
+  thread, added in order (``wgrad.py``; it was im2col and one product per image).
 **Deterministic mode** (``set_deterministic(True)``, ``BREWNET_DETERMINISTIC=1``, ``brewnet train
---deterministic``): every convolution's chunks by im2col and MKL's strict products, asking oneDNN
-nothing: the same bits on any machine of the same CPU architecture. Why, and the measurements:
-docs/internals.md, *Design notes by module*.
+--deterministic``): every convolution takes the per-image path: the same bits on any machine of
+the same CPU architecture. Why, and the measurements: docs/internals.md, *Design notes by module*.
 """
 from __future__ import annotations
 
@@ -248,8 +247,9 @@ def onednn_invariant(x: torch.Tensor, w: torch.Tensor, stride, pad, dilation, gr
 
 def prepare(net) -> None:
     """Before training ``net``: warn if MKL missed its strict mode, and choose each of its 2-D
-    convolutions' weight-gradient kernel now (``wgrad.choose``), on the thread that builds the
-    solver, rather than inside a timed first step."""
+    convolutions' weight-gradient path now (``wgrad.choose``), on the thread that builds the
+    solver (a check sets the thread count; together's worker threads must not see it change
+    mid-step)."""
     from . import wgrad
 
     check_mkl()

@@ -7,15 +7,17 @@ formulation; MKL in strict mode); the chunks run in parallel on a pool of one-th
 many as the caller's torch threads, and their sums are added in chunk order. So 1, 2, 4 or any
 number of threads, oversubscribed ones too, give the same bits by construction.
 
-The kernel is chosen once per shape (``choose``, logged): one chunk of each, timed on one thread
-(so the caller's count does not enter), interleaved; im2col + GEMM only when it is ``MARGIN``
-times faster (a near tie stays with oneDNN, so the choice does not flip with a neighbour's load).
-Deterministic mode (``determinism.set_deterministic``) pins ``gemm`` untimed: im2col and MKL's
-strict products, as Caffe's per-image path it replaces, asking oneDNN nothing.
+Which path a shape takes is decided once (``choose``, logged): torch's own oneDNN gradient on all
+threads where its bits were the same on every count brewnet uses here (checked once, as before:
+``determinism.onednn_invariant``), else the chunks, whose kernel is timed on one chunk on one
+thread (so the caller's count does not enter), im2col + GEMM only when it is ``MARGIN`` times
+faster (a near tie stays with oneDNN: the choice must not flip with a neighbour's load).
+Deterministic mode (``determinism.set_deterministic``) stays pinned to Caffe's per-image products
+on one thread, asking oneDNN nothing.
 It runs as one op, ``torch.ops.brewnet.conv2d_weight_grad``, so a recorded step
 (``recording.py``) replays it whole (its chunks on one thread each again).
-``BREWNET_CONV_WGRAD`` (benchmarks): ``auto`` (default), ``onednn``, ``gemm``, or ``old`` (the
-previous rule: oneDNN on all threads where its bits held on every count, else per image).
+``BREWNET_CONV_WGRAD`` (benchmarks): ``auto`` (default), ``onednn`` or ``gemm`` (every shape in
+chunks by that kernel), or ``old`` (the previous rule: oneDNN or per image).
 Measurements: ``benchmarks/conv_wgrad.py``, docs/performance.md.
 """
 from __future__ import annotations
@@ -72,9 +74,10 @@ def _gemm(dy, x, w, stride, pad, dilation, groups):
     cols = F.unfold(x, kk, tuple(dilation), tuple(pad), tuple(stride))     # n, c*kh*kw, L
     length = cols.shape[-1]
     ck = (c // g) * kk[0] * kk[1]
-    cols = cols.view(n, g, ck, length).permute(1, 0, 3, 2).reshape(g, n * length, ck)
+    # (group, rows, images x pixels): each image's pixels stay one contiguous run in the copy
+    cols = cols.view(n, g, ck, length).permute(1, 2, 0, 3).reshape(g, ck, n * length)
     d = dy.reshape(n, g, o // g, length).permute(1, 2, 0, 3).reshape(g, o // g, n * length)
-    return torch.bmm(d, cols).view(w.shape), dy.sum((0, 2, 3))
+    return torch.bmm(d, cols.transpose(1, 2)).view(w.shape), dy.sum((0, 2, 3))
 
 
 _KERNEL = {"onednn": _onednn, "gemm": _gemm}
@@ -201,42 +204,51 @@ def _forced() -> str:
 
 
 def choose(x: torch.Tensor, w: torch.Tensor, stride, pad, dilation, groups) -> tuple[str, int]:
-    """(kernel, chunks) for this shape and layout: decided once, logged; ``gemm`` in
-    deterministic mode."""
+    """(path, chunks) for this shape and layout, decided once and logged: ``oneDNN`` (torch's own
+    on the caller's threads) where its bits were the same on every count of
+    ``determinism.counts()``, else ``chunks/onednn`` or ``chunks/gemm``; ``per-image`` in
+    deterministic mode (pinned, untimed). Nothing here times two paths of other bits on the
+    caller's count: that choice would follow the count (and a neighbour's load)."""
     cl = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
     det = determinism.is_deterministic()
+    forced = _forced()
     key = (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(pad), tuple(dilation), groups, cl,
-           det)
+           det, forced)
     got = _choice.get(key)
     if got is not None:
         return got
     k = chunks(x.shape, w.shape, [(s + 2 * p - d * (kk - 1) - 1) // st + 1 for s, p, d, kk, st
                                   in zip(x.shape[2:], pad, dilation, w.shape[2:], stride)])
-    forced = _forced()
     if det:
-        got, why = ("gemm", k), "pinned (deterministic mode)"
+        got, why = ("per-image", 1), "pinned: deterministic mode"
     elif forced in KERNELS:
-        got, why = (forced, k), "BREWNET_CONV_WGRAD"
+        got, why = ("chunks/" + forced, k), "BREWNET_CONV_WGRAD"
+    elif determinism.onednn_invariant(x, w, stride, pad, dilation, groups):
+        got, why = ("oneDNN", 1), f"its bits the same on {determinism.counts()} threads"
     else:
         ms = _time_chunk(x.shape, w.shape, stride, pad, dilation, groups, cl, k)
-        name = "gemm" if ms["gemm"] * MARGIN < ms["onednn"] else "onednn"
-        got = (name, k)
-        why = "one chunk on one thread: " + ", ".join(f"{n} {v:.2f} ms" for n, v in ms.items())
+        got = ("chunks/" + ("gemm" if ms["gemm"] * MARGIN < ms["onednn"] else "onednn"), k)
+        why = (f"oneDNN's bits differ on {determinism.counts()} threads; one chunk on one thread: "
+               + ", ".join(f"{n} {v:.2f} ms" for n, v in ms.items()))
     with _lock:
         got = _choice.setdefault(key, got)
-    log.info("convolution %s x %s (stride %s, pad %s, group %d): weight gradient by %s in %d "
-             "chunks (%s)", tuple(x.shape), tuple(w.shape), tuple(stride), tuple(pad), groups,
-             got[0], got[1], why)
+    log.info("convolution %s x %s (stride %s, pad %s, group %d): weight gradient by %s%s (%s)",
+             tuple(x.shape), tuple(w.shape), tuple(stride), tuple(pad), groups, got[0],
+             f" in {got[1]} chunks" if got[0].startswith("chunks") else "", why)
     return got
 
 
 def weight_grad(dy, x, w, stride, pad, dilation, groups):
     """(weight gradient, bias gradient) of a CPU float32 2-D convolution: the same bits on any
-    thread count."""
+    thread count (``choose``)."""
     if _forced() == "old":
-        if determinism.onednn_invariant(x, w, stride, pad, dilation, groups):
-            return _onednn(dy, x, w, stride, pad, dilation, groups)
+        how = "oneDNN" if determinism.onednn_invariant(x, w, stride, pad, dilation,
+                                                       groups) else "per-image"
+    else:
+        how, k = choose(x, w, stride, pad, dilation, groups)
+    if how == "oneDNN":
+        return _onednn(dy, x, w, stride, pad, dilation, groups)
+    if how == "per-image":
         return determinism.per_image_wgrad(dy, x, w, stride, pad, dilation, groups, True)
-    kernel, k = choose(x, w, stride, pad, dilation, groups)
     return torch.ops.brewnet.conv2d_weight_grad(dy, x, w, list(stride), list(pad),
-                                                list(dilation), groups, kernel, k)
+                                                list(dilation), groups, how[len("chunks/"):], k)
