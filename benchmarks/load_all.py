@@ -587,7 +587,7 @@ def main() -> None:
         rows = sorted(kept + rows, key=lambda r: order.index(r["name"]))
         missing = sorted(set(old.get("missing", [])) - set(fresh) | set(missing), key=order.index)
     for r in rows:
-        for k in ("brewnet", "opencv", "compare_why"):
+        for k in ("brewnet", "opencv", "compare_why", "data"):
             if k in r:
                 r[k] = clean(r[k])
     text = report(rows)
