@@ -63,8 +63,13 @@ EAGER = {
     "caffe-models/mobilenet-ssd/deploy.prototxt": "DetectionOutput",
     "caffe-models/mobilenet-ssd/voc/MobileNetSSD_deploy.prototxt": "DetectionOutput",
     "caffe-models/ssd/models/VGGNet/VOC0712/SSD_300x300/deploy.prototxt": "DetectionOutput",
+    "forks/caffe_ocr_densenet_res_blstm_deploy.prototxt": "CTCGreedyDecoder",   # its output's length is data
+    "forks/faceboxes_deploy.prototxt": "DetectionOutput",
     "forks/faster_rcnn_zf_test.prototxt": "Python",
     "forks/rfcn_resnet50_test_agnostic.prototxt": "Python",
+    "forks/textboxes_deploy.prototxt": "DetectionOutput",
+    "forks/textboxes_plusplus_deploy.prototxt": "DetectionOutput",
+    "forks/warpctc_captcha_deploy.prototxt": "ContinuationIndicator",   # a layer making its own data
     "forks/yolov2_darknet19_deploy.prototxt": "YoloDetectionOutput",
     "forks/yolov3_lite_mobilenetv2_deploy.prototxt": "Yolov3DetectionOutput",
 }
@@ -82,8 +87,11 @@ SIZES = {
     "caffe-models/mobilenet/mobilenet_v2_deploy.prototxt": 128,
     "caffe-models/squeezenet/SqueezeNet_v1.0/deploy.prototxt": 160,
     "caffe-models/squeezenet/SqueezeNet_v1.1/deploy.prototxt": 160,
+    "forks/faceboxes_deploy.prototxt": 256,
     "forks/faster_rcnn_zf_test.prototxt": 96,
     "forks/rfcn_resnet50_test_agnostic.prototxt": 96,
+    "forks/textboxes_deploy.prototxt": 160,
+    "forks/textboxes_plusplus_deploy.prototxt": 300,
     "forks/yolov2_darknet19_deploy.prototxt": 96,
     "forks/yolov3_lite_mobilenetv2_deploy.prototxt": 96,
 }
@@ -92,6 +100,7 @@ SIZES = {
 # of this size (another input shape: the same switches again). Calibrated on one image.
 SINGLE_IMAGE = {"forks/faster_rcnn_zf_test.prototxt": 128,
                 "forks/rfcn_resnet50_test_agnostic.prototxt": 128,
+                "forks/warpctc_captcha_deploy.prototxt": 0,     # its indicator fixes batch 1, its size
                 "forks/yolov2_darknet19_deploy.prototxt": 128,
                 "forks/yolov3_lite_mobilenetv2_deploy.prototxt": 128}
 # Build only at their own size (FCN-8s at any: its conv1_1 pads 100, so even a 32 x 32 input is

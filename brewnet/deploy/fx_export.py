@@ -41,6 +41,7 @@ NO_GRAPH = {"Python": "runs arbitrary Python (pycaffe's caffe.Layer)",
             "ROIPooling": "reads its regions' coordinates into Python",
             "PSROIPooling": "reads its regions' coordinates into Python",
             "DetectionEvaluate": "scores detections in Python",
+            "CTCGreedyDecoder": "merges repeats and drops blanks in Python: its output's length is data",
             "HDF5Output": "writes files"}
 
 
