@@ -246,14 +246,11 @@ def onednn_invariant(x: torch.Tensor, w: torch.Tensor, stride, pad, dilation, gr
 
 
 def prepare(net) -> None:
-    """Before training ``net``: warn if MKL missed its strict mode, and choose each of its 2-D
-    convolutions' weight-gradient path now (``wgrad.choose``), on the thread that builds the
-    solver (a check sets the thread count; together's worker threads must not see it change
-    mid-step)."""
-    from . import wgrad
-
+    """Before training ``net``: warn if MKL missed its strict mode, and check each of its 2-D
+    convolutions' oneDNN weight gradient now, on the thread that builds the solver (a check
+    sets the thread count; together's worker threads must not see it change mid-step)."""
     check_mkl()
-    if net.device.type != "cpu":
+    if net.device.type != "cpu" or is_deterministic():
         return
     for layer, bottoms in zip(net.layer_list, net.bottom_lists):
         if (layer.type != "Convolution" or getattr(layer, "num_spatial", 0) != 2
@@ -265,4 +262,4 @@ def prepare(net) -> None:
             shape = net.shapes[b]
             x = torch.empty(shape, memory_format=torch.channels_last if net._channels_last
                             else torch.contiguous_format)
-            wgrad.choose(x, w, layer.stride, layer.pad, layer.dilation, layer.group)
+            onednn_invariant(x, w, layer.stride, layer.pad, layer.dilation, layer.group)

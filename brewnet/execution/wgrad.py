@@ -1,24 +1,15 @@
 """A 2-D convolution's weight gradient with the same bits on any thread count, at oneDNN's speed.
 
-The batch is cut into a number of chunks that follows the shape only (``chunks``: never the thread
-count); each chunk's weight and bias gradients come from one kernel run on ONE thread: oneDNN's
-(``convolution_backward``) or im2col and one matrix product per group (``gemm``, Caffe's
-formulation; MKL in strict mode); the chunks run in parallel on a pool of one-thread workers, as
-many as the caller's torch threads, and their sums are added in chunk order. So 1, 2, 4 or any
-number of threads, oversubscribed ones too, give the same bits by construction.
-
-Which path a shape takes is decided once (``choose``, logged): torch's own oneDNN gradient on all
-threads where its bits were the same on every count brewnet uses here (checked once, as before:
-``determinism.onednn_invariant``), else the chunks, whose kernel is timed on one chunk on one
-thread (so the caller's count does not enter), im2col + GEMM only when it is ``MARGIN`` times
-faster (a near tie stays with oneDNN: the choice must not flip with a neighbour's load).
-Deterministic mode (``determinism.set_deterministic``) stays pinned to Caffe's per-image products
-on one thread, asking oneDNN nothing.
-It runs as one op, ``torch.ops.brewnet.conv2d_weight_grad``, so a recorded step
-(``recording.py``) replays it whole (its chunks on one thread each again).
-``BREWNET_CONV_WGRAD`` (benchmarks): ``auto`` (default), ``onednn`` or ``gemm`` (every shape in
-chunks by that kernel), or ``old`` (the previous rule: oneDNN or per image).
-Measurements: ``benchmarks/conv_wgrad.py``, docs/performance.md.
+Where oneDNN's own gradient changes its bits with the count (``determinism.onednn_invariant``),
+the batch is cut into chunks that follow the shape only (``chunks``), each chunk's weight and
+bias gradient computed on ONE thread by oneDNN or by im2col + one GEMM (``choose``: timed once per
+shape on one chunk on one thread, GEMM only when ``MARGIN`` times faster, logged), the chunks
+run in parallel on one-thread workers (as many as the caller's threads) and added in chunk order.
+Elsewhere oneDNN on all threads stays; deterministic mode stays pinned to the per-image path.
+One op, ``torch.ops.brewnet.conv2d_weight_grad``: a recorded step replays it whole.
+``BREWNET_CONV_WGRAD`` (benchmarks): ``auto``; ``onednn``/``gemm`` (every shape in chunks by that
+kernel); ``old`` (oneDNN or per image). Why, and the measurements: docs/internals.md,
+*Design notes by module*; ``benchmarks/conv_wgrad.py``.
 """
 from __future__ import annotations
 
@@ -194,7 +185,8 @@ def _time_chunk(x_shape, w_shape, stride, pad, dilation, groups, cl, k) -> dict[
                     got[name].append(time.perf_counter() - t0)
         return {name: statistics.median(v) * 1e3 for name, v in got.items()}
 
-    return _on_one_thread(rounds)
+    pool = _pool(1)       # a worker, even from a one-thread caller: no recording sees these ops
+    return pool.submit(rounds).result() if pool is not None else _on_one_thread(rounds)
 
 
 def _forced() -> str:
