@@ -18,9 +18,9 @@ import numpy as np
 
 from ..layers.registry import register
 from .convert import ListError
-from .layers import _ImageLoader
+from .layers import _ImageLoader, open_list
 from .source import Prefetching, check_batch, layer_error
-from .transform import DataTransformer, TransformError, hwc_to_chw, read_image
+from .transform import TransformError, hwc_to_chw, read_image
 
 
 def read_pairs(path) -> list[tuple[str, str, int]]:
@@ -143,19 +143,7 @@ class DenseImageData(Prefetching):
             raise self.fail("transform_param mirror and crop_size would move the image and not "
                             "its label (caffe-segnet refuses them too); use "
                             "dense_image_data_param's mirror, crop_height and crop_width")
-        try:
-            lines = read_pairs(p.source)
-            tf = DataTransformer(t, self.phase, who=f"Layer '{self.name}' (type DenseImageData)")
-        except (ListError, TransformError) as e:
-            raise layer_error(self, e) from None
-        if p.shuffle:
-            tf.rng.shuffle(lines)
-        pos = 0
-        if p.rand_skip:
-            pos = int(tf.rng.integers(0, p.rand_skip))
-            if pos >= len(lines):
-                raise self.fail(f"not enough points to skip: rand_skip drew {pos}, the list has "
-                                f"{len(lines)} pairs")
+        lines, tf, pos = open_list(self, p, read_pairs, "pairs")
         crop = (p.crop_height, p.crop_width) if p.crop_height > 0 else None
         loader = _DenseLoader(lines, p.source, p.root_folder, (p.new_height, p.new_width),
                               p.is_color, p.shuffle, bs, tf, pos, p.mirror, crop)

@@ -204,6 +204,27 @@ class _ImageLoader(Loader):
         return [data, self.alloc(labels.shape).copy_(torch.from_numpy(labels))]
 
 
+def open_list(layer, p, read, what: str):
+    """An image list layer's start (ImageData's, DenseImageData's): the list read by ``read``
+    from ``p.source``, its transformer, the list shuffled (``p.shuffle``) and the first position
+    (``p.rand_skip``, drawn as Caffe does)."""
+    try:
+        lines = read(p.source)
+        tf = DataTransformer(layer.param.transform_param, layer.phase,
+                             who=f"Layer '{layer.name}' (type {layer.type})")
+    except (ListError, TransformError) as e:
+        raise layer_error(layer, e) from None
+    if p.shuffle:
+        tf.rng.shuffle(lines)
+    pos = 0
+    if p.rand_skip:
+        pos = int(tf.rng.integers(0, p.rand_skip))
+        if pos >= len(lines):
+            raise layer.fail(f"not enough points to skip: rand_skip drew {pos}, the list has "
+                             f"{len(lines)} {what}")
+    return lines, tf, pos
+
+
 @register("ImageData")
 class ImageData(Prefetching):
     """Images named in a list file ('path label' per line), read with OpenCV (BGR), optionally
@@ -221,20 +242,7 @@ class ImageData(Prefetching):
         if (p.new_height > 0) != (p.new_width > 0):
             raise self.fail("new_height and new_width must be set together (or neither), got "
                             f"{p.new_height} x {p.new_width}")
-        who = f"Layer '{self.name}' (type ImageData)"
-        try:
-            lines = read_list(p.source)
-            tf = DataTransformer(self.param.transform_param, self.phase, who=who)
-        except (ListError, TransformError) as e:
-            raise layer_error(self, e) from None
-        if p.shuffle:
-            tf.rng.shuffle(lines)
-        pos = 0
-        if p.rand_skip:
-            pos = int(tf.rng.integers(0, p.rand_skip))
-            if pos >= len(lines):
-                raise self.fail(f"not enough points to skip: rand_skip drew {pos}, the list has "
-                                f"{len(lines)} lines")
+        lines, tf, pos = open_list(self, p, read_list, "lines")
         loader = _ImageLoader(lines, p.source, p.root_folder, (p.new_height, p.new_width),
                               p.is_color, p.shuffle, bs, tf, pos)
         try:
