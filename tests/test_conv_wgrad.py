@@ -80,15 +80,13 @@ def test_choice_once_per_shape_logged_and_pinned_in_deterministic_mode(caplog, m
         first = wgrad.choose(x[:7], w, s, p, d, g)         # a shape no other test chose
         assert wgrad.choose(x[:7], w, s, p, d, g) == first
     lines = [r.getMessage() for r in caplog.records if "weight gradient by" in r.getMessage()]
-    assert len(lines) == 1 and "one chunk on one thread" in lines[0]
-    assert first in {("chunks/" + k, wgrad.chunks(x[:7].shape, w.shape, dy.shape[2:]))
-                     for k in wgrad.KERNELS}
+    assert len(lines) == 1 and "oneDNN's bits differ" in lines[0]
+    # untimed: two processes (a loaded CI's train.py and brewnet train) must choose alike
+    assert first == ("chunks/onednn", wgrad.chunks(x[:7].shape, w.shape, dy.shape[2:]))
     monkeypatch.setattr(determinism, "onednn_invariant", lambda *a: True)
     assert wgrad.choose(x[:6], w, s, p, d, g) == ("oneDNN", 1)   # its bits held on every count
     monkeypatch.setitem(determinism._state, "on", True)
-    timed = []
-    monkeypatch.setattr(wgrad, "_time_chunk", lambda *a: timed.append(a))
-    assert wgrad.choose(x[:5], w, s, p, d, g) == ("per-image", 1) and not timed
+    assert wgrad.choose(x[:5], w, s, p, d, g) == ("per-image", 1)
 
 
 def test_conv_backward_in_a_recording_replays_the_chunks_on_any_thread_count(monkeypatch):

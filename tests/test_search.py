@@ -427,3 +427,26 @@ def test_silent_worker_on_rdb_storage_is_failed_and_retried(tmp_path):
     first, retry = study.trials
     assert first.state.name == "FAIL" and retry.state.name == "WAITING"
     assert retry.params == first.params and "worker" not in retry.user_attrs
+
+
+def test_workers_creating_the_tables_at_once_load_the_winners(monkeypatch, tmp_path):
+    """Two workers starting on a fresh database both create Optuna's tables; the loser's error
+    (MySQL: "Duplicate entry" in alembic's version table, a CI run's failure) means load it."""
+    calls = []
+
+    def fake_rdb(url, **kw):
+        calls.append(url)
+        if len(calls) == 1:
+            raise RuntimeError("(pymysql.err.IntegrityError) (1062, \"Duplicate entry 'v3.2.0.a' "
+                               "for key 'PRIMARY'\")\n[SQL: INSERT INTO alembic_version ...]")
+        return "storage"
+
+    monkeypatch.setattr(st, "_retrying_rdb", lambda o: fake_rdb)
+    monkeypatch.setattr(st.time, "sleep", lambda s: None)
+    assert st.storage("mysql://root@127.0.0.1:1/brewnet", str(tmp_path)) == "storage"
+    assert len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(st, "_retrying_rdb", lambda o: lambda url, **kw: (_ for _ in ()).throw(
+        RuntimeError("(pymysql.err.OperationalError) (1045, \"Access denied\")")))
+    with pytest.raises(SearchError, match="cannot open the study database: .*Access denied"):
+        st.storage("mysql://root@127.0.0.1:1/brewnet", str(tmp_path))

@@ -2,23 +2,21 @@
 
 Where oneDNN's own gradient changes its bits with the count (``determinism.onednn_invariant``),
 the batch is cut into chunks that follow the shape only (``chunks``), each chunk's weight and
-bias gradient computed on ONE thread by oneDNN or by im2col + one GEMM (``choose``: timed once per
-shape on one chunk on one thread, GEMM only when ``MARGIN`` times faster, logged), the chunks
-run in parallel on one-thread workers (as many as the caller's threads) and added in chunk order.
-Elsewhere oneDNN on all threads stays; deterministic mode stays pinned to the per-image path.
-One op, ``torch.ops.brewnet.conv2d_weight_grad``: a recorded step replays it whole.
+bias gradient computed on ONE thread by oneDNN (``choose``, logged; untimed: a timed choice could
+differ between two processes under load), the chunks run in parallel on one-thread workers (as
+many as the caller's threads) and added in chunk order. Elsewhere oneDNN on all threads stays;
+deterministic mode stays pinned to the per-image path. One op,
+``torch.ops.brewnet.conv2d_weight_grad``: a recorded step replays it whole.
 ``BREWNET_CONV_WGRAD`` (benchmarks): ``auto``; ``onednn``/``gemm`` (every shape in chunks by that
-kernel); ``old`` (oneDNN or per image). Why, and the measurements: docs/internals.md,
-*Design notes by module*; ``benchmarks/conv_wgrad.py``.
+kernel, GEMM = im2col + one GEMM); ``old`` (oneDNN or per image). Why, and the measurements:
+docs/internals.md, *Design notes by module*; ``benchmarks/conv_wgrad.py``.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
-import statistics
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -30,7 +28,6 @@ log = logging.getLogger("brewnet")
 KERNELS = ("onednn", "gemm")
 MAX_CHUNKS = 8          # fixed: the bits follow the chunks, the speed the workers
 MIN_CHUNK_FLOPS = 2e6   # smaller chunks cost more in calls than the parallelism saves
-MARGIN = 2.0     # GEMM must win by this much: a near tie stays with oneDNN whatever the load
 _lock = threading.Lock()
 _choice: dict[tuple, tuple[str, int]] = {}
 
@@ -165,30 +162,6 @@ _lib.define("conv2d_weight_grad(Tensor dy, Tensor x, Tensor w, int[] stride, int
 _lib.impl("conv2d_weight_grad", _impl, "CPU")
 
 
-def _time_chunk(x_shape, w_shape, stride, pad, dilation, groups, cl, k) -> dict[str, float]:
-    """ms of each kernel on the largest chunk, on one thread: median of 3 interleaved rounds."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn((bounds(x_shape[0], k)[1], *x_shape[1:]), generator=gen)
-    w = torch.randn(w_shape, generator=gen)
-    with torch.no_grad():
-        dy = torch.randn(F.conv2d(x, w, None, stride, pad, dilation, groups).shape, generator=gen)
-    if cl:
-        x, dy = (t.contiguous(memory_format=torch.channels_last) for t in (x, dy))
-
-    def rounds():
-        got = {name: [] for name in KERNELS}
-        for r in range(4):
-            for name in KERNELS:
-                t0 = time.perf_counter()
-                _KERNEL[name](dy, x, w, stride, pad, dilation, groups)
-                if r:           # the first round warms oneDNN's primitive cache
-                    got[name].append(time.perf_counter() - t0)
-        return {name: statistics.median(v) * 1e3 for name, v in got.items()}
-
-    pool = _pool(1)       # a worker, even from a one-thread caller: no recording sees these ops
-    return pool.submit(rounds).result() if pool is not None else _on_one_thread(rounds)
-
-
 def _forced() -> str:
     from .process import env_switch
 
@@ -198,7 +171,7 @@ def _forced() -> str:
 def choose(x: torch.Tensor, w: torch.Tensor, stride, pad, dilation, groups) -> tuple[str, int]:
     """(path, chunks) for this shape and layout, decided once and logged: ``oneDNN`` (torch's own
     on the caller's threads) where its bits were the same on every count of
-    ``determinism.counts()``, else ``chunks/onednn`` or ``chunks/gemm``; ``per-image`` in
+    ``determinism.counts()``, else ``chunks/onednn``; ``per-image`` in
     deterministic mode (pinned, untimed). Nothing here times two paths of other bits on the
     caller's count: that choice would follow the count (and a neighbour's load)."""
     cl = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
@@ -217,11 +190,8 @@ def choose(x: torch.Tensor, w: torch.Tensor, stride, pad, dilation, groups) -> t
         got, why = ("chunks/" + forced, k), "BREWNET_CONV_WGRAD"
     elif determinism.onednn_invariant(x, w, stride, pad, dilation, groups):
         got, why = ("oneDNN", 1), f"its bits the same on {determinism.counts()} threads"
-    else:
-        ms = _time_chunk(x.shape, w.shape, stride, pad, dilation, groups, cl, k)
-        got = ("chunks/" + ("gemm" if ms["gemm"] * MARGIN < ms["onednn"] else "onednn"), k)
-        why = (f"oneDNN's bits differ on {determinism.counts()} threads; one chunk on one thread: "
-               + ", ".join(f"{n} {v:.2f} ms" for n, v in ms.items()))
+    else:       # untimed: a timed choice could differ between two processes under load
+        got, why = ("chunks/onednn", k), f"oneDNN's bits differ on {determinism.counts()} threads"
     with _lock:
         got = _choice.setdefault(key, got)
     log.info("convolution %s x %s (stride %s, pad %s, group %d): weight gradient by %s%s (%s)",

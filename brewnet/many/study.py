@@ -79,8 +79,9 @@ def storage(url: str | None, out: str, heartbeat: int = 60):
                               f"{INSTALL} installs PostgreSQL's and MySQL's") from None
         except Exception as e:   # sqlalchemy's OperationalError...: one line, the server's words
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if "duplicate" in first or "already exists" in first:   # workers creating the tables
-                time.sleep(0.5 + attempt)                           # at once: one wins, load it
+            # workers creating the tables at once: one wins, load it (MySQL says "Duplicate entry")
+            if "duplicate" in first.lower() or "already exists" in first.lower():
+                time.sleep(0.5 + attempt)
                 continue
             raise SearchError(f"--storage {url}: cannot open the study database: {first}") from None
     raise SearchError(f"--storage {url}: cannot create the study tables: {first}")
