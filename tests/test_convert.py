@@ -417,3 +417,20 @@ def test_conv_on_a_1x1_map_keeps_the_taps_that_read_it(tmp_path):
     with torch.no_grad():
         want = m(x)
     assert _opencv_rel(res, x, [want])[0] < 1e-6
+
+
+def test_import_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """A missing or corrupt ONNX file, an unimportable factory or one that is no Module: one
+    line naming it, exit 1, no files."""
+    from brewnet.cli import main
+
+    (tmp_path / "bad.onnx").write_text("garbage")
+    cases = [([str(tmp_path / "missing.onnx")], "missing.onnx: not an ONNX model"),
+             ([str(tmp_path / "bad.onnx")], "bad.onnx: not an ONNX model"),
+             (["--torch", "no_such_module_here:f", "--input-shape", "1,3,8,8"], "No module named"),
+             (["--torch", "os:getcwd", "--input-shape", "1,3,8,8"], "not a torch.nn.Module")]
+    for args, why in cases:
+        assert main(["import", *args, "--out", str(tmp_path / "out" / "m")]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("brewnet import: ") and why in err, err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -207,6 +207,9 @@ def test_unknown_type_is_one_line_naming_file_layer_and_the_ways_forward(tmp_pat
     assert re.search(r"ps\s+PSROIPoolingX\s+unknown\s+brewnet has no layer of this type", out)
     assert re.search(r"conv\s+Convolution\s+built-in", out)
     assert "brewnet does not know PSROIPoolingX" in err
+    assert main(["doctor", str(tmp_path / "missing.prototxt")]) == 1          # one line, no traceback
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing.prototxt: cannot read" in err
 
 
 def test_doctor_names_fields_no_layer_reads_and_the_weights(fork, tmp_path, capsys):
