@@ -182,3 +182,19 @@ def fork_pb2(tmp_dir: Path, excerpt: Path, module: str):
         yield importlib.import_module(f"{module}_pb2")
     finally:
         sys.path.remove(str(tmp_dir))
+
+
+def wait_until_serving(proc, url: str, tries: int = 240) -> None:
+    """Poll ``url``/healthz of a ``brewnet serve`` process until it answers 200; the server's
+    stderr is the failure message if it exits first."""
+    import time
+
+    import httpx
+
+    for _ in range(tries):
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stderr.read()

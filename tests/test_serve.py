@@ -20,7 +20,7 @@ pytest.importorskip("uvicorn")
 from PIL import Image  # noqa: E402
 
 from brewnet.net import Net  # noqa: E402
-from helpers import MODELS, ON_DEVICE  # noqa: E402
+from helpers import MODELS, ON_DEVICE, wait_until_serving  # noqa: E402
 
 LENET = MODELS / "bvlc/examples/mnist/lenet.prototxt"
 GPU = ["--gpu", "0"] if ON_DEVICE else []    # the device switch: the server's workers on cuda:0
@@ -56,13 +56,7 @@ def server(tmp_path_factory, request):
                              "--max-delay-ms", "5", "--workers", str(request.param), *GPU],
                             env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.stderr.read()
+    wait_until_serving(proc, url)
     yield url, proc
     if proc.poll() is None:
         proc.terminate()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import browser  # noqa: E402
-from helpers import MODELS, SHARED, need  # noqa: E402
+from helpers import MODELS, SHARED, need, wait_until_serving  # noqa: E402
 from test_serve import free_port  # noqa: E402
 
 CHROMIUM = browser.find()
@@ -44,13 +43,7 @@ def server(tmp_path_factory):
                              "--mean", "125,123,114", "--heatmap-blob", "conv3", "--port", str(port)],
                             env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.stderr.read()
+    wait_until_serving(proc, url)
     yield url
     proc.terminate()
     try:

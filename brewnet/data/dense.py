@@ -132,9 +132,6 @@ class DenseImageData(Prefetching):
     def setup(self, bottom_shapes):
         p = self.param.dense_image_data_param
         bs = check_batch(self, p.batch_size)
-        if (p.new_height > 0) != (p.new_width > 0):
-            raise self.fail("new_height and new_width must be set together (or neither), got "
-                            f"{p.new_height} x {p.new_width}")
         if (p.crop_height > 0) != (p.crop_width > 0):
             raise self.fail("crop_height and crop_width must be set together (or neither), got "
                             f"{p.crop_height} x {p.crop_width}")

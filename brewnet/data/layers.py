@@ -208,6 +208,9 @@ def open_list(layer, p, read, what: str):
     """An image list layer's start (ImageData's, DenseImageData's): the list read by ``read``
     from ``p.source``, its transformer, the list shuffled (``p.shuffle``) and the first position
     (``p.rand_skip``, drawn as Caffe does)."""
+    if (p.new_height > 0) != (p.new_width > 0):
+        raise layer.fail("new_height and new_width must be set together (or neither), got "
+                         f"{p.new_height} x {p.new_width}")
     try:
         lines = read(p.source)
         tf = DataTransformer(layer.param.transform_param, layer.phase,
@@ -239,9 +242,6 @@ class ImageData(Prefetching):
     def setup(self, bottom_shapes):
         p = self.param.image_data_param
         bs = check_batch(self, p.batch_size)
-        if (p.new_height > 0) != (p.new_width > 0):
-            raise self.fail("new_height and new_width must be set together (or neither), got "
-                            f"{p.new_height} x {p.new_width}")
         lines, tf, pos = open_list(self, p, read_list, "lines")
         loader = _ImageLoader(lines, p.source, p.root_folder, (p.new_height, p.new_width),
                               p.is_color, p.shuffle, bs, tf, pos)
