@@ -20,6 +20,7 @@ from . import caffe_pb2 as pb
 from . import schema
 from .errors import ProtoError
 from .upgrade import needs_upgrade, upgrade_net, upgrade_solver
+from .wire import varint as _varint
 
 log = logging.getLogger("brewnet")
 
@@ -390,16 +391,6 @@ def blob_to_array(blob, return_diff: bool = False, dtype=np.float32) -> np.ndarr
         raise ProtoError(f"BlobProto holds {arr.size} {single} values but its shape "
                          f"{shape} needs {count}")
     return arr.reshape(shape)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        if not n:
-            out.append(low)
-            return bytes(out)
-        out.append(low | 0x80)
 
 
 def _packed(field_number: int, values: np.ndarray) -> bytes:

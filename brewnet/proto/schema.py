@@ -29,6 +29,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, te
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from . import wire
 from .errors import ProtoError
 
 log = logging.getLogger("brewnet")
@@ -363,45 +364,8 @@ def to_fork(src: Message, dst: Message, schema_path, where: str = "") -> None:
         dst.MergeFromString(_renumber(data, lambda n: n - SHIFT if n >= SHIFT else n))
 
 
-# ------------------------------------------------------------------ the wire format
-def _varint(data: bytes, i: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        b = data[i]
-        i += 1
-        n |= (b & 0x7F) << shift
-        if b < 0x80:
-            return n, i
-        shift += 7
-
-
-def _put_varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _renumber(data: bytes, new) -> bytes:
-    """``data`` (top-level fields of one message) with each field number ``n`` as ``new(n)``."""
-    out, i = bytearray(), 0
-    while i < len(data):
-        key, j = _varint(data, i)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            _, k = _varint(data, j)
-        elif wire == 1:
-            k = j + 8
-        elif wire == 2:
-            size, k = _varint(data, j)
-            k += size
-        elif wire == 5:
-            k = j + 4
-        else:
-            raise ProtoError(f"field {number}: protobuf groups are not supported in a fork's schema")
-        out += _put_varint(new(number) << 3 | wire) + data[j:k]
-        i = k
-    return bytes(out)
+    try:
+        return wire.renumber(data, new)
+    except ValueError as e:
+        raise ProtoError(f"{e} in a fork's schema") from None
