@@ -9,10 +9,10 @@ found not running in brewnet (benchmarks/results/load_all.json; --load-all '' to
 skipped. Each (net, batch) runs in its own
 process (memory is freed between nets; a crash costs one row). Weights: random, drawn to compute
 what a trained net would (tests/test_every_net_every_call.py's ``realistic``), written to a
-caffemodel so that every runtime runs the same weights on the same input. Runtimes, timed one
-call each in turn (the order rotated each round; each timed call follows an untimed one of the
-same runtime, so that another runtime's spinning threads, ONNX Runtime's and OpenCV's, have
-stopped) after their warm-up: "brewnet": a pycaffe Net
+caffemodel so that every runtime runs the same weights on the same input. Runtimes, timed in
+turn (the order rotated each round; in each round a runtime's ``BLOCK`` timed calls follow
+``SETTLE`` untimed ones, so that another runtime's spinning threads, ONNX Runtime's and
+OpenCV's, have stopped) after their warm-up: "brewnet": a pycaffe Net
 at the user's defaults (engine auto; warmed until it has picked its engine, which the engine
 cache remembers from an earlier run: run the benchmark twice on a new machine); "eager" (and
 "compiled" with --compiled): the engines by name; "opencv": OpenCV's dnn on
@@ -42,6 +42,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 PEERS = ("opencv", "ort")
+# After another runtime ran, a runtime's first two calls are slow (AlexNet-like nets, ONNX Runtime:
+# 30 ms, then 16 ms steady, whichever session ran before: the other's threads spin, its weights
+# took the caches): SETTLE untimed calls, then BLOCK timed ones, per runtime and round.
+SETTLE, BLOCK = 2, 3
 
 
 def corpus():
@@ -110,7 +114,7 @@ def engine_of(net) -> str:
     return "eager" if lean.gm is not None else "eager-plain"
 
 
-def one(name: str, batch: int, reps: int, budget: float, compiled: bool) -> dict:
+def one(name: str, batch: int, reps: int, budget: float, compiled: bool, folder: Path) -> dict:
     # brewnet first, as a user's script should: torch's OpenMP threads then wait passively
     # instead of spinning beside the other runtimes (brewnet/execution/threads.py)
     brewnet = importlib.import_module("brewnet")
@@ -123,7 +127,6 @@ def one(name: str, batch: int, reps: int, budget: float, compiled: bool) -> dict
     from brewnet.pycaffe import Net
 
     entry = next(e for e in corpus().NETS if e["name"] == name)
-    folder = Path(tempfile.mkdtemp(prefix="zoo-"))
     path, weights, xs, core = prepare(entry, batch, folder)
     flops = net_flops(core) / batch
     cached_onnx = engine_cache.onnx_path(core, [x.shape for x in xs.values()], engines.OPSET)
@@ -177,10 +180,12 @@ def one(name: str, batch: int, reps: int, budget: float, compiled: bool) -> dict
     t_end = time.perf_counter() + budget
     for r in range(reps):
         for k in order[r % len(order):] + order[:r % len(order)]:
-            runners[k]()          # untimed: the previous runtime's threads stop spinning
-            t0 = time.perf_counter()
-            runners[k]()
-            times[k].append(1e3 * (time.perf_counter() - t0))
+            for _ in range(SETTLE):   # untimed: see SETTLE
+                runners[k]()
+            for _ in range(BLOCK):
+                t0 = time.perf_counter()
+                runners[k]()
+                times[k].append(1e3 * (time.perf_counter() - t0))
         if r >= 2 and time.perf_counter() > t_end:
             break
     row["ms"] = {k: statistics.median(v) for k, v in times.items()}
@@ -249,7 +254,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
-        print("ROW " + json.dumps(one(a.one, a.batch, a.reps, a.budget, a.compiled)), flush=True)
+        with tempfile.TemporaryDirectory(prefix="zoo-") as folder:   # caffemodels of up to 0.5 GB
+            row = one(a.one, a.batch, a.reps, a.budget, a.compiled, Path(folder))
+        print("ROW " + json.dumps(row), flush=True)
         return
     if a.from_:
         data = json.loads(Path(a.from_).read_text())

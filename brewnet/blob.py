@@ -71,18 +71,18 @@ class Blob:
         self._d = t
         self._owned["diff"] = True
 
-    def write(self, t: torch.Tensor) -> None:
+    def write(self, t: torch.Tensor, fresh: bool = False) -> None:
         """Store a computed value as Caffe does: into the blob's memory while a view of it is
-        alive (reshaped to fit, keeping the memory when it is large enough), else take ``t``."""
+        alive (reshaped to fit, keeping the memory when it is large enough), else take ``t``;
+        ``fresh``: nothing else holds ``t``'s memory, so a view of it needs no copy."""
         if self._viewed("data"):
             if t.shape != self._t.shape:
                 self.reshape(*t.shape)
             self._dirty.discard("data")
-            with torch.no_grad():
-                self._t.copy_(t)
+            host_copy(self._t, t)
         else:
             self.tensor = t
-            self._owned["data"] = False
+            self._owned["data"] = fresh
 
     def write_diff(self, g: torch.Tensor) -> None:
         if self._viewed("diff") and g.shape == self._d.shape:
@@ -95,6 +95,8 @@ class Blob:
 
     def _viewed(self, which: str) -> bool:
         refs = self._views[which]
+        if not refs:
+            return which in self._host
         refs[:] = [r for r in refs if r() is not None]
         return bool(refs) or which in self._host
 
@@ -275,3 +277,16 @@ def nhwc(t: torch.Tensor) -> torch.Tensor:
     if t.shape[1] == 1 and t.stride(1) != 1:
         t = t.as_strided(t.shape, (t.stride(0), 1, t.stride(2), t.stride(3)))
     return t
+
+
+def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, on the calling thread where both are plain CPU float arrays of one
+    layout: torch's copy of a large array wakes its thread pool, and a worker that must wait for
+    a core another runtime's pool is spinning on (ONNX Runtime's, OpenCV's) stalls the call by
+    milliseconds (benchmarks/zoo.py)."""
+    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
+            and dst.shape == src.shape and dst.dtype in (torch.float32, torch.float64)):
+        np.copyto(dst.detach().numpy(), src.detach().numpy())   # any strides: numpy's loop
+    else:
+        with torch.no_grad():
+            dst.copy_(src)

@@ -108,6 +108,29 @@ def test_intermediate_blobs_under_another_engine_are_the_eager_nets():
     assert np.array_equal(net.blobs["conv2"].data, eager.blobs["conv2"].data)
 
 
+@pytest.mark.parametrize("engine", ["onnxruntime", "opencv"])
+def test_an_output_view_under_an_engine_is_rewritten_by_the_next_forward(engine):
+    """pycaffe's arrays are views of the blobs: a view kept from one forward shows the next
+    one's values, a view dropped costs nothing (ONNX Runtime's fresh outputs are taken, not
+    copied), and a copy the user made stays what it was."""
+    pytest.importorskip("cv2", reason="OpenCV") if engine == "opencv" else None
+    net, eager = twin(LENET, engine)
+    xs = inputs(net)
+    outputs(net, xs[:-2])
+    outputs(eager, xs[:-2])
+    assert net._lean.engine is not None and net._lean.engine.name == engine
+    kept = net.forward(data=xs[-2])["prob"]
+    copied = kept.copy()
+    new = net.forward(data=xs[-1])["prob"]
+    want_old, want_new = (eager.forward(data=x)["prob"].copy() for x in xs[-2:])
+    assert np.shares_memory(kept, new)
+    assert_close({"p": kept}, {"p": want_new}, engines.RTOL[torch.float32])
+    assert_close({"p": copied}, {"p": want_old}, engines.RTOL[torch.float32])
+    del kept, new
+    net.forward(data=xs[0])
+    if engine == "onnxruntime":    # the session's new array is the blob's: a view needs no copy
+        assert net.blobs["prob"]._owned["data"]
+
 def test_auto_waits_until_the_forwards_are_worth_an_export(cache):
     """At the defaults, a net whose forwards take milliseconds stays eager through 20 calls:
     no export, no measurement, nothing cached."""
@@ -135,7 +158,9 @@ def test_auto_measures_once_then_takes_the_cached_choice(cache, monkeypatch, cap
     assert timed == [1]
     entries = json.loads(cache.path.read_text())["choices"]
     (entry,) = entries.values()
-    assert set(entry["ms"]) == {"eager", "onnxruntime", "opencv"} and entry["engine"] in entry["ms"]
+    # CIFAR10-quick at batch 1 is a sub-millisecond call: ONNX Runtime on one thread is tried too
+    assert set(entry["ms"]) == {"eager", "onnxruntime", "opencv", engines.ONE_THREAD}
+    assert entry["engine"] in entry["ms"]
     again = Net(str(CIFAR), brewnet.TEST)
     again.share_with(net)
     with caplog.at_level(logging.INFO, logger="brewnet"):
@@ -144,6 +169,27 @@ def test_auto_measures_once_then_takes_the_cached_choice(cache, monkeypatch, cap
     assert "measured before" in caplog.text
     for g, w in zip(second, first):
         assert_close(g, w, engines.RTOL[torch.float32])
+
+
+@pytest.mark.parametrize("under_s, tried", [(0.0, False), (10.0, True)])
+def test_one_thread_onnxruntime_is_tried_for_short_calls_only(cache, monkeypatch, under_s, tried):
+    monkeypatch.setattr(engines, "AUTO_AFTER_S", 0.0)
+    monkeypatch.setattr(engines, "ONE_THREAD_UNDER_S", under_s)
+    monkeypatch.setattr(engines, "cores", lambda: 2)
+    picked = []
+    real = engines.measure
+    monkeypatch.setattr(engines, "measure", lambda runners, xs: picked.append(dict(runners)) or real(runners, xs))
+    net = Net(str(LENET), brewnet.TEST)
+    xs = inputs(net)
+    got = outputs(net, xs)
+    (runners,) = picked
+    assert (engines.ONE_THREAD in runners) is tried
+    if tried:
+        assert runners[engines.ONE_THREAD].session.get_session_options().intra_op_num_threads == 1
+        eager = Net(str(LENET), brewnet.TEST, engine="eager")
+        eager.share_with(net)
+        for g, w in zip(got, outputs(eager, xs)):
+            assert_close(g, w, engines.RTOL[torch.float32])
 
 
 def test_a_cached_choice_is_taken_at_the_lean_call_at_the_defaults(cache):
@@ -209,6 +255,7 @@ def test_an_engine_that_cannot_take_the_net_is_skipped_quietly_by_auto(cache, mo
     monkeypatch.setattr(engines, "AUTO_AFTER_S", 0.0)
     monkeypatch.setitem(engines.BUILDERS, "onnxruntime", refuse)
     monkeypatch.setitem(engines.BUILDERS, "opencv", refuse)
+    monkeypatch.setitem(engines.BUILDERS, engines.ONE_THREAD, refuse)
     net, eager = twin(CIFAR, None)
     xs = inputs(net)
     with caplog.at_level(logging.DEBUG, logger="brewnet"):

@@ -20,6 +20,8 @@ import torch
 
 log = logging.getLogger("brewnet")
 FORMAT = 1          # the choices file's layout; another value is refused (and rewritten)
+CANDIDATES = 2      # the set auto weighs: a choice made among another set is measured again
+                    # (2: ONNX Runtime on one thread for short calls)
 
 
 def cache_dir() -> Path:
@@ -86,7 +88,7 @@ def choice_key(net, input_shapes, threads: int, precision: str) -> dict:
             "weights": hashlib.sha256(str([tuple(t.shape) for l in net.layer_list
                                            for t in l.blobs]).encode()).hexdigest()[:32],
             "inputs": [list(s) for s in input_shapes], "cpu": cpu_model(), "threads": threads,
-            "precision": precision, "versions": versions()}
+            "precision": precision, "versions": versions(), "candidates": CANDIDATES}
 
 
 def _digest(key: dict) -> str:

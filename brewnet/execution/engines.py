@@ -37,6 +37,10 @@ WARMUP_S = 0.5        # and at most, stopping once they took this long
 RTOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 1e-1}
 OPSET = 18
 AUTO_AFTER_S = 5.0    # auto: seconds of whole forwards on one input shape before it measures
+# auto: under this an eager call, ONNX Runtime on one thread is a candidate too: a tiny net's
+# call is shorter than what waking a second thread costs (MTCNN's R-Net: 80 us on one thread,
+# 100 on two; LeNet's 90 us call is faster on two): benchmarks/zoo.py
+ONE_THREAD_UNDER_S = 0.002
 
 
 def _named(value: str | None, where: str, env: str, allowed: tuple) -> str:
@@ -92,13 +96,13 @@ def quiet_exporter():
             lg.setLevel(lvl)
 
 
-def session_options(ort, threads: int):
-    """ONNX Runtime's defaults (one thread per physical core), but the user's thread count
-    where the user fixed one, and its notes kept out of the log."""
+def session_options(ort, threads: int, fixed: bool = False):
+    """ONNX Runtime's defaults (one thread per physical core), but ``threads`` where the user
+    fixed a thread count or ``fixed`` asks, and its notes kept out of the log."""
     from .threads import user_threads
 
     opts = ort.SessionOptions()
-    if user_threads():
+    if fixed or user_threads():
         opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
     return opts
@@ -108,15 +112,18 @@ class OnnxRuntimeEngine:
     """The net's folded graph as ONNX in an ONNX Runtime session (the file cached per weights)."""
 
     name = "onnxruntime"
+    fresh = True                      # session.run returns new arrays each call
 
-    def __init__(self, net, threads: int):
+    def __init__(self, net, threads: int, one_thread: bool = False):
         ort = need_onnxruntime()
+        if one_thread:
+            self.name, threads = ONE_THREAD, 1
         self.net, self.state = net, weights_state(net)
         shapes = [tuple(net.shapes[n]) for n in net.inputs]
         path = engine_cache.onnx_path(net, shapes, OPSET)
         if not path.exists():
             self._export(path)
-        opts = session_options(ort, threads)
+        opts = session_options(ort, threads, fixed=one_thread)
         try:
             self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         except Exception as e:   # noqa: BLE001 - a damaged cache file: export it again
@@ -180,6 +187,7 @@ class OpenCVEngine:
     deploy with; an independent importer: a net it reads otherwise fails the output check)."""
 
     name = "opencv"
+    fresh = True
 
     def __init__(self, net, threads: int):
         import tempfile
@@ -203,7 +211,8 @@ class OpenCVEngine:
     def __call__(self, xs):
         for name, x in zip(self.inputs, xs):
             self.cv.setInput(x.detach().contiguous().numpy(), name)
-        return tuple(torch.from_numpy(a) for a in self.cv.forward(self.layers))
+        # its arrays may be the dnn's own buffers: copied here (numpy, this thread), then fresh
+        return tuple(torch.from_numpy(a.copy()) for a in self.cv.forward(self.layers))
 
 
 class Bf16Engine:
@@ -212,6 +221,7 @@ class Bf16Engine:
     which keeps some ops in fp32 and casts at every convolution: 1.4-2.3x slower here.)"""
 
     name = "bf16"
+    fresh = True                      # .float() makes new tensors
 
     def __init__(self, net, threads: int):
         from ..deploy import to_torch
@@ -236,8 +246,10 @@ def bf16_refusal() -> str | None:
     return None
 
 
+ONE_THREAD = "onnxruntime-1thread"
 BUILDERS = {"onnxruntime": OnnxRuntimeEngine, "opencv": OpenCVEngine, "compiled": CompiledEngine,
-            "bf16": Bf16Engine}
+            "bf16": Bf16Engine,
+            ONE_THREAD: lambda net, threads: OnnxRuntimeEngine(net, threads, one_thread=True)}
 
 
 def candidates(asked: str) -> list[str]:
@@ -352,7 +364,12 @@ def pick(lean, xs):
     if names == ["eager"]:
         return None
     with torch.no_grad():
+        lean._bound_call(xs)
+        t0 = time.perf_counter()
         want = lean._bound_call(xs)
+        if (asked == "auto" and hit is None and "onnxruntime" in names and threads > 1
+                and time.perf_counter() - t0 < ONE_THREAD_UNDER_S):
+            names.append(ONE_THREAD)
     runners = {"eager": lean._bound_call}
     for name in names:
         if name == "eager":
@@ -397,6 +414,7 @@ class _ModuleOnnx:
     """``to_torch``'s module (any batch) as ONNX in ONNX Runtime, called as the module is."""
 
     name = "onnxruntime"
+    fresh = True                      # session.run returns new arrays each call
 
     def __init__(self, gm, threads: int, folder):
         import pathlib

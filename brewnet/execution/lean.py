@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ..blob import nhwc
+from ..blob import host_copy, nhwc
 from . import engines
 from .cuda_graph import device_refusal
 from .engines import due, pick, rebuild
@@ -197,11 +197,12 @@ class LeanForward:
         if outs is FAILED:
             self.gm = self.captured = self.engine = None
             return False
+        fresh = getattr(self.engine, "fresh", False)     # its outputs: memory nobody else holds
         for name, t in zip(net.outputs, outs):
-            net.blobs[name].write(t)
+            net.blobs[name].write(t, fresh)
         if [s.shape for s in self._saved] == [x.shape for x in xs]:
             for s, x in zip(self._saved, xs):      # into last call's copies: no allocation
-                s.copy_(x)
+                host_copy(s, x)
         else:
             self._saved = [x.clone() for x in xs]
         self._stale = list(self._middle)
