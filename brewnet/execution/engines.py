@@ -394,6 +394,32 @@ def pick(lean, xs):
     return None if choice == "eager" else runners[choice]
 
 
+def ready(lean):
+    """(runner, cache entry) of the engine the cache chose for ``lean``'s net on its declared
+    input shapes, built and checked against the plain path on a seeded input (None: no cached
+    choice, or eager). For ``auto`` at fp32 on the CPU: the state a second process starts in."""
+    net = lean.net
+    if (getattr(net, "engine", "auto") != "auto" or net.device.type != "cpu"
+            or getattr(net, "precision", "fp32") != "fp32" or candidates("auto") == ["eager"]):
+        return None
+    shapes = [tuple(net.blobs[n].shape) for n in net.inputs]
+    key = engine_cache.choice_key(net, shapes, cores(), "fp32")
+    hit = engine_cache.ChoiceCache().get(key)
+    if hit is None or hit["engine"] not in BUILDERS:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(s, generator=gen) for s in shapes]
+    runner = _build(hit["engine"], net, cores(), xs, lean.plain(xs))
+    t_warm = time.perf_counter() + WARMUP_S      # a session's first calls are slow: here, not
+    for _ in range(WARMUP[0]):                   # in the user's first forwards
+        runner(xs)
+        if time.perf_counter() > t_warm:
+            break
+    log.info("Net '%s': engine %s from the first call (measured before: %s)", net.name,
+             hit["engine"], describe(hit["ms"]))
+    return runner, (key, hit)
+
+
 def rebuild(lean, runner, xs):
     """``runner``'s engine again on the net's current weights (a weight changed)."""
     with torch.no_grad():

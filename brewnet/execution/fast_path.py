@@ -41,9 +41,13 @@ def failing_layer(exc: BaseException):
 class FastPath:
     """The guard of one automatic switch of one net: ``what`` names the switch in the log."""
 
-    def __init__(self, what: str, net_name: str):
-        self.what, self.net_name = what, net_name
+    def __init__(self, what: str, net_name):
+        self.what, self._name = what, net_name   # a str, or a callable: the net's name now
         self.off: str | None = None          # why the path was turned off (None: still on)
+
+    @property
+    def net_name(self) -> str:
+        return self._name() if callable(self._name) else self._name
 
     def attempt(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)``, or ``FAILED`` when it raised (logged; the path is off)."""

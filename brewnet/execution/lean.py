@@ -143,7 +143,7 @@ class LeanForward:
         self.net = net
         self.calls, self._key = 0, None
         self.gm, self.steps = None, []
-        self.guard = FastPath("lean inference (repeated forwards as one graph)", net.name)
+        self.guard = FastPath("lean inference (repeated forwards as one graph)", lambda: net.name)
         self._nhwc_w: dict = {}                    # id(weight) -> (key, weight, NHWC copy)
         self.traces = 0                            # traces attempted (each a one-off cost)
         self.picks = 0                             # engine picks made (each a one-off cost)
@@ -155,6 +155,7 @@ class LeanForward:
         self._picked = False                       # engine picked for the current graph
         self.cached = None                         # the engine cache's entry for it (auto)
         self.spent = 0.0                           # seconds of whole forwards on these shapes
+        self.running = False                       # inside run (its reshapes are not the user's)
         io = set(net.inputs) | set(net.outputs)
         self._middle = [b for n, b in net.blobs.items() if n not in io]
 
@@ -170,13 +171,20 @@ class LeanForward:
         the caller runs the plain path."""
         if not self.eligible():
             return False
+        self.running = True
+        try:
+            return self._run()
+        finally:
+            self.running = False
+
+    def _run(self) -> bool:
         net = self.net
         key = tuple(tuple(net.blobs[n].shape) for n in net.inputs)
         if key != self._key:
             self._key, self.calls, self.gm, self.spent = key, 0, None, 0.0
             self.engine, self._picked, self.cached = None, False, None   # picked per shape
         self.calls += 1
-        if self.gm is None:
+        if self.gm is None and self.engine is None:
             if self.calls <= AFTER and getattr(net, "precision", "fp32") == "fp32":
                 return False                 # (bf16: the user's opt-in holds from call 1)
             if net._current_input_shapes() != net._input_shapes:
@@ -213,7 +221,11 @@ class LeanForward:
     def _engine_call(self, xs) -> tuple:
         """The outputs from the engine picked (rebuilt when a weight changed), else the graph's."""
         if self.engine is not None and engines.weights_state(self.net) != self.engine.state:
-            self.engine = rebuild(self, self.engine, xs)
+            engine = self.engine
+            if self.gm is None:              # an engine ready from the start: the graph checks it
+                self._build()
+                self._picked, self.cached = True, None
+            self.engine = rebuild(self, engine, xs)
         return self.engine(xs) if self.engine is not None else self._bound_call(xs)
 
     def _bound_call(self, xs) -> tuple:
@@ -264,6 +276,39 @@ class LeanForward:
                 b._t = t
             for name, t in zip(net.outputs, outs):
                 net.blobs[name].write(t)
+
+    def prepare(self) -> None:
+        """At the net's construction: the engine the cache chose for the declared input shapes,
+        built now, so that a fresh process's first forward runs at the steady speed (no trace,
+        no pick at the ``AFTER``-th call). Anything amiss leaves the usual path to it."""
+        net = self.net
+        try:                        # (a bad switch is the user's error at the forward, as ever)
+            if not self.eligible() or (self.engine is not None and self._key == tuple(
+                    tuple(net.blobs[n].shape) for n in net.inputs)):
+                return
+            ready = engines.ready(self)
+        except Exception as e:      # noqa: BLE001 - an optimisation: the usual path still runs
+            log.debug("Net '%s': no engine ready at construction: %s: %s", self.net.name,
+                      type(e).__name__, str(e)[:300])
+            return
+        if ready is not None:
+            self.engine, self.cached = ready
+            self._key = tuple(tuple(net.blobs[n].shape) for n in net.inputs)
+            self._picked, self.calls = True, 0
+
+    def plain(self, xs) -> tuple:
+        """The plain path's outputs on inputs ``xs``, every blob left as it was."""
+        net = self.net
+        before = {b: (b._t, b._owned["data"]) for b in net.blobs.values()}
+        try:
+            for name, x in zip(net.inputs, xs):
+                net.blobs[name]._t = x
+            with torch.no_grad():
+                net.forward_tensors()
+            return tuple(net.blobs[n].tensor.detach().clone() for n in net.outputs)
+        finally:
+            for b, (t, owned) in before.items():
+                b._t, b._owned["data"] = t, owned
 
     def drop(self) -> None:
         """Forget the stale marks (a plain whole forward is about to rewrite every blob)."""

@@ -6,6 +6,7 @@ per-layer step API) knows nothing of pycaffe's quirks; this subclass alone does.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections import OrderedDict
 
@@ -46,6 +47,20 @@ class Net(core.Net):
         if refusal:
             raise NetError(refusal)
         super().__init__(*args, **kwargs)
+        # the engine a cache knows, ready for the first call; only on trained weights (a net
+        # filled at random gets its weights next: an ONNX file of those would be waste)
+        weights = kwargs.get("weights") or (      # Net(model, weights, phase) as pycaffe's
+            args[1] if len(args) > 1 and isinstance(args[1], (str, os.PathLike)) else None)
+        if weights:
+            self._lean.prepare()
+
+    def copy_from(self, path) -> None:
+        """pycaffe's ``copy_from``; the engine the cache knows for these weights is made ready."""
+        super().copy_from(path)
+        lean = self._lean
+        if not lean.running and lean.gm is None:      # (a running graph rebuilds its engine)
+            lean.engine = None
+            lean.prepare()
 
     def forward(self, blobs=None, start=None, end=None, **inputs):
         """pycaffe's ``Net.forward``: feed ``inputs`` (numpy arrays keyed by input blob name),
@@ -76,6 +91,14 @@ class Net(core.Net):
         i1 = self._index(end, len(self.layer_list) - 1)
         outs = self.top_lists[i1] if end is not None else self.outputs
         return {n: self.blobs[n].data for n in list(outs) + list(blobs or [])}
+
+    def reshape(self) -> None:
+        """Caffe's ``Net::Reshape``; a user's reshape to shapes the engine cache knows readies
+        that engine, as construction does."""
+        super().reshape()
+        lean = self.__dict__.get("_lean")        # (none yet while the net is being built)
+        if lean is not None and not lean.running:
+            lean.prepare()
 
     @functools.cached_property
     def _lean(self) -> LeanForward:
