@@ -277,3 +277,38 @@ def test_graph_is_recorded_not_exported(lean_soon, monkeypatch):
         got = net.forward(data=x)["prob"].copy()
     assert net._lean.gm is not None and exported
     np.testing.assert_array_equal(got, recorded)
+
+
+def test_an_image_pyramid_gets_its_graph_per_scale_at_the_defaults(monkeypatch):
+    """MTCNN's P-Net runs each image at several scales, one input shape each: every scale is
+    traced once and kept (``lean.SHAPES``), not started afresh whenever the shape changes; its
+    outputs are the plain path's (within LEAN_RTOL). At the defaults but for the engine: the
+    graph itself is what is tested here."""
+    from pathlib import Path
+
+    from brewnet.execution import lean
+
+    monkeypatch.delenv("BREWNET_LEAN", raising=False)
+    proto = Path(__file__).resolve().parents[1] / "benchmarks/zoo/nets/mtcnn_det1.prototxt"
+    net = brewnet.pycaffe.Net(str(proto), brewnet.TEST, engine="eager")
+    plain = brewnet.pycaffe.Net(str(proto), brewnet.TEST, engine="eager")
+    for a, b in zip(net.layers, plain.layers):
+        for pa, pb_ in zip(a.blobs, b.blobs):
+            pb_.data[...] = pa.data = np.random.default_rng(0).standard_normal(pa.data.shape) * 0.1
+    scales = [(1, 3, 60, 80), (1, 3, 43, 57), (1, 3, 30, 40)]
+    rng = np.random.default_rng(1)
+    for image in range(lean.AFTER + 2):
+        for shape in scales:
+            x = rng.standard_normal(shape).astype(np.float32)
+            got = {k: v.copy() for k, v in net.forward(data=x).items()}
+            want = plain_forward(plain, x, monkeypatch)
+            for k in want:
+                scale = float(np.abs(want[k]).max())
+                assert np.abs(got[k] - want[k]).max() <= LEAN_RTOL * scale, (image, shape, k)
+    assert net._lean.traces == len(scales)
+    assert net._lean.gm is not None and len(net._lean._shapes) == len(scales) - 1
+    assert all(s["gm"] is not None for s in net._lean._shapes.values())
+    # more shapes than SHAPES: the oldest are let go
+    for h in range(lean.SHAPES + 2):
+        net.forward(data=np.zeros((1, 3, 20 + h, 20), np.float32))
+    assert len(net._lean._shapes) == lean.SHAPES

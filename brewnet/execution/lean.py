@@ -31,6 +31,11 @@ from .recording import unbox
 
 log = logging.getLogger("brewnet")
 AFTER = 10      # whole forwards with the same input shapes before the net is traced
+SHAPES = 8      # input shapes whose graph and engine are kept when the shapes change (a face
+                # detector's image pyramid, FCN on a few image sizes: each traced once)
+# what is kept per input shape, and its value before any call on that shape
+_PER_SHAPE = {"calls": 0, "gm": None, "steps": list, "spent": 0.0, "engine": None, "_picked": False,
+              "cached": None, "captured": None, "_addresses": None, "_nhwc_w": dict}
 SMALL_CONV_FLOPS = 4e6     # convolutions below this (whole batch): torch's own im2col + GEMM
 # inner products with this many weights or more: oneDNN's (the plain path's threshold,
 # functional.DNN_MIN_WEIGHT, is 2^18: it also counts the backward; at inference LeNet's ip1,
@@ -156,6 +161,7 @@ class LeanForward:
         self.cached = None                         # the engine cache's entry for it (auto)
         self.spent = 0.0                           # seconds of whole forwards on these shapes
         self.running = False                       # inside run (its reshapes are not the user's)
+        self._shapes: dict = {}                    # other input shapes: their _PER_SHAPE state
         io = set(net.inputs) | set(net.outputs)
         self._middle = [b for n, b in net.blobs.items() if n not in io]
 
@@ -181,8 +187,7 @@ class LeanForward:
         net = self.net
         key = tuple(tuple(net.blobs[n].shape) for n in net.inputs)
         if key != self._key:
-            self._key, self.calls, self.gm, self.spent = key, 0, None, 0.0
-            self.engine, self._picked, self.cached = None, False, None   # picked per shape
+            self._switch(key)
         self.calls += 1
         if self.gm is None and self.engine is None:
             if self.calls <= AFTER and getattr(net, "precision", "fp32") == "fp32":
@@ -217,6 +222,18 @@ class LeanForward:
         for b in self._stale:
             b._pending = self.settle
         return True
+
+    def _switch(self, key) -> None:
+        """Make ``key``'s input shapes the current ones: the state of the shapes left is kept
+        (the ``SHAPES`` most recent), that of ``key`` taken back, or started afresh."""
+        if self._key is not None:
+            self._shapes[self._key] = {a: getattr(self, a) for a in _PER_SHAPE}
+            while len(self._shapes) > SHAPES:
+                del self._shapes[next(iter(self._shapes))]
+        state = self._shapes.pop(key, None)
+        for a, v in _PER_SHAPE.items():
+            setattr(self, a, state[a] if state is not None else v() if callable(v) else v)
+        self._key = key
 
     def _engine_call(self, xs) -> tuple:
         """The outputs from the engine picked (rebuilt when a weight changed), else the graph's."""
@@ -292,9 +309,9 @@ class LeanForward:
                       type(e).__name__, str(e)[:300])
             return
         if ready is not None:
+            self._switch(tuple(tuple(net.blobs[n].shape) for n in net.inputs))
             self.engine, self.cached = ready
-            self._key = tuple(tuple(net.blobs[n].shape) for n in net.inputs)
-            self._picked, self.calls = True, 0
+            self._picked = True
 
     def plain(self, xs) -> tuple:
         """The plain path's outputs on inputs ``xs``, every blob left as it was."""
