@@ -3,21 +3,21 @@
     python benchmarks/train_speed.py [--nets lenet,cifar10_quick,caffenet] [--iterations 10]
                                      [--rounds 7] [--no-bits]
 
-Per net: ``brewnet time``'s forward + backward (layer by layer, ``analysis.timing.time_net``),
-a solver step (``solver.step(1)``: the recorded step and the update), Caffe's ``caffe time`` from
-issue 39 (no reference build here) and the fraction of the fp32 peak, ``torch.mm`` of 2048^3
-measured in the same run on the same threads (the nets' FLOPs: ``Layer.flops`` forward, twice
-that backward). Per layer: ms of each candidate (median of ``--rounds``, candidates interleaved),
-``*`` on the one brewnet runs; ``err``: the candidate's largest difference from float64, relative
-to the largest magnitude; ``bits``: the same bits on 1, 2 and 4 threads (``n`` where not).
-Convolutions on brewnet's NHWC activations: forward and input gradient by oneDNN on NHWC, on
-NCHW (copied there and back), and im2col + one GEMM (col2im for the input gradient); the weight
-gradient as ``wgrad.choose`` runs it. InnerProduct (forward + both gradients): MKL on one thread,
-MKL on torch's threads, oneDNN. MAX pooling: torch's kernel alone (composites: max_pool.py).
+Per net: ``brewnet time``'s forward + backward (``time_net``) with the fixed rule's kernels and
+with those ``kernel_choice`` measured (alternating), a solver step, issue 39's ``caffe time``
+(no reference build here) and the fraction of the fp32 peak (``torch.mm`` 2048^3 in the same
+run, same threads; FLOPs: ``Layer.flops`` forward, twice that backward). Per layer: ms of each
+candidate (median of ``--rounds``, interleaved), ``*`` on brewnet's; ``err``: largest difference
+from float64 relative to the largest magnitude; ``bits``: the same on 1, 2 and 4 threads.
+Convolutions on NHWC activations: oneDNN on NHWC, on NCHW (copied both ways), im2col + one GEMM
+(col2im for the input gradient); the weight gradient as ``wgrad.choose`` runs it. InnerProduct
+(forward + both gradients): MKL on one thread, on torch's threads, oneDNN. MAX pooling: torch's
+kernel alone (composites: max_pool.py).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -31,7 +31,7 @@ import brewnet  # noqa: E402,F401,I001  (before torch: MKL's strict mode, OpenMP
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from brewnet.analysis.timing import time_net  # noqa: E402
-from brewnet.execution import determinism, process, threads, wgrad  # noqa: E402
+from brewnet.execution import determinism, kernel_choice, process, threads, wgrad  # noqa: E402
 from brewnet.layers import functional as Fn  # noqa: E402
 from brewnet.net import Net  # noqa: E402
 from brewnet.proto import caffe_pb2 as pb  # noqa: E402
@@ -196,7 +196,10 @@ def ip_rows(name, m, k, n, transpose, rounds, bits):
         return lin(x, w, b), lin(dy, w.t(), None), lin(dy.t().contiguous(), x.t().contiguous(), None)
 
     # functional.inner_product's rule: by weight size; a training thread's MKL runs on one thread
-    runs = "oneDNN" if w.numel() >= Fn.DNN_MIN_WEIGHT and lin is not None else "MKL 1 thread"
+    runs = "MKL 1 thread"
+    if w.numel() >= Fn.DNN_MIN_WEIGHT and lin is not None:      # kernel_choice.prepare's choice
+        runs = {"mkl": "MKL torch threads", "onednn": "oneDNN"}[
+            kernel_choice.choose(m, k, n, transpose, measure_missing=False)]
     fns = {"MKL 1 thread": blas, "MKL torch threads": blas_threads}
     if lin is not None:
         fns["oneDNN"] = dnn
@@ -282,20 +285,28 @@ def main() -> None:
         gen = torch.Generator().manual_seed(1)
         net.blobs["data"].tensor.copy_(torch.rand(net.blobs["data"].shape, generator=gen))
         net.blobs["label"].tensor.copy_(torch.randint(0, 10, (shape[0],), generator=gen).float())
-        t = time_net(net, a.iterations, warmup=2)
-        fb = statistics.median(t.iteration_ms)
+        kernel_choice.prepare(net)
+        time_net(net, 2)
+        runs: dict = {"rule": [], "chosen": []}
+        for _ in range(3):          # the fixed rule's kernels and the measured ones, alternating
+            for how in runs:
+                os.environ["BREWNET_IP_KERNEL"] = "onednn" if how == "rule" else "auto"
+                runs[how] += time_net(net, a.iterations, warmup=0).iteration_ms
+        os.environ.pop("BREWNET_IP_KERNEL")
+        fb, rule = statistics.median(runs["chosen"]), statistics.median(runs["rule"])
         peak = peak_gflops()
         step = step_ms(key, a.iterations)
-        nets.append((key, shape[0], n_threads, fb, step, CAFFE_MS[key],
+        nets.append((key, shape[0], n_threads, rule, fb, step, CAFFE_MS[key],
                      net_flops(net) / (min(fb, step) * 1e-3) / 1e9 / peak, peak))
         per_layer += [(key, *r) for r in layer_rows(net, a.rounds, not a.no_bits)]
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}; "
           f"median of {a.iterations} passes / steps\n")
-    print("| net | batch | threads | brewnet time fwd+bwd ms | solver step ms | Caffe ms "
-          "(issue 39) | Caffe / brewnet | fp32 peak (GFLOP/s) | peak fraction |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for key, batch, nt, fb, step, caffe, frac, peak in nets:
-        print(f"| {key} | {batch} | {nt} | {fb:.1f} | {step:.1f} | {caffe:g} | "
+    print(f"kernel choices: {kernel_choice.cache_path()}\n")
+    print("| net | batch | threads | fwd+bwd ms, fixed kernels | fwd+bwd ms, chosen | solver step "
+          "ms | Caffe ms (issue 39) | Caffe / brewnet | fp32 peak (GFLOP/s) | peak fraction |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for key, batch, nt, rule, fb, step, caffe, frac, peak in nets:
+        print(f"| {key} | {batch} | {nt} | {rule:.1f} | {fb:.1f} | {step:.1f} | {caffe:g} | "
               f"{caffe / min(fb, step):.2f}x | {peak:.0f} | {frac:.1%} |")
     print(f"\nPer layer: ms of each candidate (median of {a.rounds} interleaved rounds, on the "
           "net's threads); * the one brewnet runs; err vs float64 (relative); bits: same on "

@@ -31,7 +31,7 @@ DNN_MIN_WEIGHT = 1 << 18   # smaller weights: BLAS on one thread is as fast and 
 FORMAT = 1            # kernels.json's layout; another value is a stale file: rebuilt
 KERNELS = ("onednn", "mkl")
 RULE = "onednn"       # functional.inner_product's fixed rule for these shapes
-MARGIN = 1.1          # measured twice here, the rule's kernel was within 5% of itself
+MARGIN = 1.15         # fc7 measured 1.07x and 1.12x in two runs here: a near tie keeps the rule
 MEASURE_S = 0.5       # per shape, the bit checks not counted
 _lock = threading.Lock()
 _chosen: dict[tuple, str] = {}
@@ -238,8 +238,8 @@ def measure(m: int, k: int, n: int, transpose: bool) -> dict:
     runs = {kk: _candidate(kk, m, k, n, transpose) for kk in KERNELS}
     ok = {kk: kk == RULE or _same_bits(r) for kk, r in runs.items()}
     timed = {kk: r for kk, r in runs.items() if ok[kk]}
-    before, n = torch.get_num_threads(), threads.ceiling()    # a training run's count
-    torch.set_num_threads(n)
+    before, count = torch.get_num_threads(), threads.ceiling()    # a training run's count
+    torch.set_num_threads(count)
     determinism.blas_on_one_thread()
     try:
         for r in timed.values():
@@ -257,7 +257,7 @@ def measure(m: int, k: int, n: int, transpose: bool) -> dict:
     ms = {kk: (round(statistics.median(got[kk]), 4) if kk in got else None) for kk in KERNELS}
     best = min(timed, key=lambda kk: ms[kk])
     kernel = best if ms[best] * MARGIN <= ms[RULE] else RULE
-    return {"kernel": kernel, "ms": ms, "threads": n}
+    return {"kernel": kernel, "ms": ms, "threads": count}
 
 
 def choose(m: int, k: int, n: int, transpose: bool, measure_missing: bool = True) -> str:
@@ -277,24 +277,24 @@ def choose(m: int, k: int, n: int, transpose: bool, measure_missing: bool = True
     kk = key(m, k, n, transpose)
     with _lock:
         got = _chosen.get(shape)
-        if got is None:
+        if got is None and not measure_missing:
             got = _entry(_read(), kk)
-            if got is None and measure_missing:
-                with _file_lock():
-                    choices = _read()           # another process may have measured meanwhile
-                    got = _entry(choices, kk)
-                    if got is None:
-                        res = measure(m, k, n, transpose)
-                        got = res["kernel"]
-                        choices[_digest(kk)] = {"key": kk, **res}
-                        engine_cache.write_atomic(cache_path(), json.dumps(
-                            {"format": FORMAT, "choices": choices}, indent=1).encode())
-                        log.info("inner product %s: kernel %s (ms %s on %d threads; kept in %s)",
-                                 list(shape), got, res["ms"], res["threads"], cache_path())
-            if got is None:
-                _unread.add(shape)   # not decided: prepare may still decide it
-                return RULE
-            _chosen[shape] = got
+        elif got is None:
+            with _file_lock():
+                choices = _read()      # under the lock: another process may have measured
+                got = _entry(choices, kk)
+                if got is None:
+                    res = measure(m, k, n, transpose)
+                    got = res["kernel"]
+                    choices[_digest(kk)] = {"key": kk, **res}
+                    engine_cache.write_atomic(cache_path(), json.dumps(
+                        {"format": FORMAT, "choices": choices}, indent=1).encode())
+                    log.info("inner product %s: kernel %s (ms %s on %d threads; kept in %s)",
+                             list(shape), got, res["ms"], res["threads"], cache_path())
+        if got is None:
+            _unread.add(shape)   # not decided: prepare may still decide it
+            return RULE
+        _chosen[shape] = got
     return got
 
 
