@@ -161,6 +161,16 @@ def test_a_corrupt_or_stale_cache_is_one_warning_and_rebuilt(cache, caplog, cont
     assert [e["kernel"] for e in data["choices"].values()] == [got]
 
 
+def test_a_choice_that_cannot_be_kept_is_the_rules(cache, monkeypatch, caplog):
+    """An unwritable cache: every process would measure anew and might differ, so the rule."""
+    monkeypatch.setattr(kernel_choice, "measure", lambda *a: {"kernel": "mkl", "ms": {},
+                                                             "threads": 1})
+    monkeypatch.setattr(kernel_choice.engine_cache, "write_atomic", lambda path, data: None)
+    with caplog.at_level(logging.WARNING, logger="brewnet"):
+        assert kernel_choice.choose(8, 600, 500, False) == kernel_choice.RULE
+    assert any("could not be kept" in r.message for r in caplog.records)
+
+
 CHILD = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)

@@ -289,8 +289,15 @@ def choose(m: int, k: int, n: int, transpose: bool, measure_missing: bool = True
                     choices[_digest(kk)] = {"key": kk, **res}
                     engine_cache.write_atomic(cache_path(), json.dumps(
                         {"format": FORMAT, "choices": choices}, indent=1).encode())
-                    log.info("inner product %s: kernel %s (ms %s on %d threads; kept in %s)",
-                             list(shape), got, res["ms"], res["threads"], cache_path())
+                    if _entry(_read(), kk) != got:
+                        # not kept: the next process would measure again and might take the
+                        # other kernel, so other bits; the rule's is the same in every process
+                        log.warning("inner product %s: the kernel choice could not be kept in "
+                                    "%s: %s is used", list(shape), cache_path(), RULE)
+                        got = RULE
+                    else:
+                        log.info("inner product %s: kernel %s (ms %s on %d threads; kept in "
+                                 "%s)", list(shape), got, res["ms"], res["threads"], cache_path())
         if got is None:
             _unread.add(shape)   # not decided: prepare may still decide it
             return RULE
