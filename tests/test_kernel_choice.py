@@ -217,6 +217,10 @@ def test_a_net_trained_with_each_kernel_same_bits_on_1_and_2_threads(tmp_path, m
             s, _ = solver(tmp_path, f"{kernel}{n}", net, seed=4, momentum=0.9, iters=6)
             s.step(6)
             got[kernel, n] = params_of(s.net)
+            graph = getattr(s, "_graph", None)
+            assert graph is not None and graph.gm is not None     # replayed past iteration 1
+            ops = {str(node.target) for node in graph.gm.graph.nodes}
+            assert ("brewnet.ip_mkl_backward.default" in ops) == (kernel == "mkl")
     for layer, want in got["onednn", 1].items():
         for kernel in kernel_choice.KERNELS:
             for a, b, c in zip(got[kernel, 1][layer], got[kernel, 2][layer], want):
