@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..execution import determinism, kernel_choice, threads, wgrad
+from ..execution import determinism, threads, wgrad
 
 FLT_MAX = 3.4028234663852886e38   # Caffe's start value for MAX pooling (-FLT_MAX)
 FLT_MIN = 1.1754943508222875e-38  # Caffe's start value for the STOCHASTIC TEST denominator
@@ -226,8 +226,47 @@ def stochastic_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, train: bool,
 
 
 # -- inner product ---------------------------------------------------------------------------
-DNN_MIN_WEIGHT = kernel_choice.DNN_MIN_WEIGHT
-_dnn_linear, _DnnInnerProduct = kernel_choice.dnn_linear, kernel_choice._DnnInnerProduct
+DNN_MIN_WEIGHT = 1 << 18   # smaller weights: BLAS is as fast and starts sooner
+
+
+@functools.cache
+def _dnn_linear():
+    """oneDNN's inner product (``mkldnn::_linear_pointwise``), or None where torch lacks it."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        op(torch.ones(2, 3), torch.ones(4, 3), None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return None
+    return lambda x, w, b: op(x, w, b, "none", [], "")
+
+
+class _DnnInnerProduct(torch.autograd.Function):
+    """x (M, K), stored weight (N, K) or, with ``transpose``, (K, N), bias (N,) or None ->
+    x W^T + b, with all three products (forward, input and weight gradients) as oneDNN inner
+    products."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, transpose):
+        ctx.save_for_backward(x, w)
+        ctx.transpose, ctx.has_bias = transpose, b is not None
+        return _dnn_linear()(x, w.t() if transpose else w, b)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        lin, dy = _dnn_linear(), dy.contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:       # dy W: the weight argument is W^T, i.e. the stored one
+            dx = lin(dy, w if ctx.transpose else w.t(), None)
+        if ctx.needs_input_grad[1]:       # dy^T x (N, K), or x^T dy (K, N) when transposed
+            dyt, xt = dy.t().contiguous(), x.t().contiguous()
+            dw = lin(xt, dyt, None) if ctx.transpose else lin(dyt, xt, None)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dw, db, None
 
 
 def inner_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
@@ -237,19 +276,13 @@ def inner_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     On the CPU in float32, weights of ``DNN_MIN_WEIGHT`` elements or more go through oneDNN's
     inner product: 2-3x faster than the BLAS matrix products torch uses for the skinny shapes of
     small batches (CaffeNet fc6 at batch 10: ~16 ms instead of ~50 for forward and backward).
-    The sums are the same, in another order: the results differ by float rounding only. In
-    training, MKL on torch's threads where measured faster on the shape (kernel_choice.py).
+    The sums are the same, in another order: the results differ by float rounding only.
     """
     # Not inside torch.export/compile: a traced graph keeps portable ops (ONNX, other devices).
     if (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
             and not torch.compiler.is_compiling()
             and w.numel() >= DNN_MIN_WEIGHT and (b is None or b.dtype == torch.float32)
             and _dnn_linear() is not None):
-        # training: the kernel measured for this shape at solver set-up (execution/kernel_choice.py)
-        if grad_needed(x, w, b) and kernel_choice.choose(
-                x.shape[0], x.shape[1], w.numel() // x.shape[1], transpose,
-                measure_missing=False) == "mkl":
-            return kernel_choice.MklInnerProduct.apply(x, w, b, transpose)
         return _DnnInnerProduct.apply(x, w, b, transpose)
     wt = w if transpose else w.t()
     tiny = (x.device.type == "cpu" and not torch.compiler.is_compiling()   # no guard on a traced batch

@@ -18,7 +18,7 @@ import torch
 
 from ..blob import diff_viewed
 from ..data import cursors
-from ..execution import determinism, kernel_choice, process, recorded_step, recorded_update, threads
+from ..execution import determinism, process, recorded_step, recorded_update, threads
 from ..net import Net
 from ..proto import caffe_pb2 as pb
 from . import detection_eval
@@ -118,7 +118,6 @@ class Solver:
         # torch's threads for this net's steps: fixed for the run (reproducible numbers)
         self.threads = threads.Tuner(self.net, timed=threads.timed_training())
         determinism.prepare(self.net)
-        kernel_choice.prepare(self.net)     # measured once per shape and machine, cached
         self.restored_cursors: list | None = None  # every rank's data cursors, from restore()
         self.replicas = None    # brewnet.parallel.Replicas when other workers train with this one
         log.info("Solver scaffolding done.")

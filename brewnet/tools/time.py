@@ -63,10 +63,6 @@ def run(args) -> int:
         phase = pb.TRAIN if args.phase == "TRAIN" else pb.TEST
         net = Net(args.model, phase, level=args.level, stages=stages(args.stage), device=device)
         plan_beside(net.layer_list)
-        if phase == pb.TRAIN:     # the kernels a solver of this net would train with
-            from ..execution import kernel_choice
-
-            kernel_choice.prepare(net)
         log.info("Performing Forward")
         log.info("Initial loss: %g", net.forward_tensors().item())
         log.info("Performing Backward")
