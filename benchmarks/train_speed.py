@@ -3,21 +3,19 @@
     python benchmarks/train_speed.py [--nets lenet,cifar10_quick,caffenet] [--iterations 10]
                                      [--rounds 7] [--no-bits]
 
-Per net: ``brewnet time``'s forward + backward (``time_net``) with the fixed rule's kernels and
-with those ``kernel_choice`` measured (alternating), a solver step, issue 39's ``caffe time``
-(no reference build here) and the fraction of the fp32 peak (``torch.mm`` 2048^3 in the same
+Per net: ``brewnet time``'s forward + backward (``time_net``), a solver step, issue 39's
+``caffe time`` (no reference build here) and the fraction of the fp32 peak (``torch.mm`` 2048^3 in the same
 run, same threads; FLOPs: ``Layer.flops`` forward, twice that backward). Per layer: ms of each
 candidate (median of ``--rounds``, interleaved), ``*`` on brewnet's; ``err``: largest difference
 from float64 relative to the largest magnitude; ``bits``: the same on 1, 2 and 4 threads.
 Convolutions on NHWC activations: oneDNN on NHWC, on NCHW (copied both ways), im2col + one GEMM
 (col2im for the input gradient); the weight gradient as ``wgrad.choose`` runs it. InnerProduct
-(forward + both gradients): MKL on one thread, on torch's threads, oneDNN. MAX pooling: torch's
-kernel alone (composites: max_pool.py).
+(forward + both gradients): MKL on one thread, on torch's threads (torch ops here, not a brewnet
+kernel), oneDNN. MAX pooling: torch's kernel alone (composites: max_pool.py).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -31,7 +29,7 @@ import brewnet  # noqa: E402,F401,I001  (before torch: MKL's strict mode, OpenMP
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from brewnet.analysis.timing import time_net  # noqa: E402
-from brewnet.execution import determinism, kernel_choice, process, threads, wgrad  # noqa: E402
+from brewnet.execution import determinism, process, threads, wgrad  # noqa: E402
 from brewnet.layers import functional as Fn  # noqa: E402
 from brewnet.net import Net  # noqa: E402
 from brewnet.proto import caffe_pb2 as pb  # noqa: E402
@@ -177,7 +175,7 @@ def _tuple(t):
     return t if isinstance(t, tuple) else (t,)
 
 
-def ip_rows(name, m, k, n, transpose, rounds, bits):
+def ip_rows(name, m, k, n, rounds, bits):
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * 0.1
     b, dy = torch.randn(n, generator=gen), torch.randn(m, n, generator=gen)
@@ -195,11 +193,9 @@ def ip_rows(name, m, k, n, transpose, rounds, bits):
     def dnn():
         return lin(x, w, b), lin(dy, w.t(), None), lin(dy.t().contiguous(), x.t().contiguous(), None)
 
-    # functional.inner_product's rule: by weight size; a training thread's MKL runs on one thread
-    runs = "MKL 1 thread"
-    if w.numel() >= Fn.DNN_MIN_WEIGHT and lin is not None:      # kernel_choice.prepare's choice
-        runs = {"mkl": "MKL torch threads", "onednn": "oneDNN"}[
-            kernel_choice.choose(m, k, n, transpose, measure_missing=False)]
+    # functional.inner_product's rule: oneDNN by weight size, else MKL (one thread when training)
+    big = w.numel() >= Fn.DNN_MIN_WEIGHT and lin is not None
+    runs = "oneDNN" if big else "MKL 1 thread"
     fns = {"MKL 1 thread": blas, "MKL torch threads": blas_threads}
     if lin is not None:
         fns["oneDNN"] = dnn
@@ -236,7 +232,7 @@ def layer_rows(net, rounds, bits):
         elif layer.type == "InnerProduct":
             m = shape[0]
             kk = int(torch.tensor(shape[1:]).prod())
-            out += ip_rows(layer.name, m, kk, layer.blobs[0].shape[0], False, rounds, bits)
+            out += ip_rows(layer.name, m, kk, layer.blobs[0].shape[0], rounds, bits)
         elif layer.type == "Pooling" and layer.param.pooling_param.pool == pb.PoolingParameter.MAX:
             out += pool_rows(layer.name, shape, layer.kernel[0], layer.stride[0], layer.pad[0],
                              rounds, bits)
@@ -285,28 +281,19 @@ def main() -> None:
         gen = torch.Generator().manual_seed(1)
         net.blobs["data"].tensor.copy_(torch.rand(net.blobs["data"].shape, generator=gen))
         net.blobs["label"].tensor.copy_(torch.randint(0, 10, (shape[0],), generator=gen).float())
-        kernel_choice.prepare(net)
-        time_net(net, 2)
-        runs: dict = {"rule": [], "chosen": []}
-        for _ in range(3):          # the fixed rule's kernels and the measured ones, alternating
-            for how in runs:
-                os.environ["BREWNET_IP_KERNEL"] = "onednn" if how == "rule" else "auto"
-                runs[how] += time_net(net, a.iterations, warmup=0).iteration_ms
-        os.environ.pop("BREWNET_IP_KERNEL")
-        fb, rule = statistics.median(runs["chosen"]), statistics.median(runs["rule"])
+        fb = statistics.median(time_net(net, a.iterations, warmup=2).iteration_ms)
         peak = peak_gflops()
         step = step_ms(key, a.iterations)
-        nets.append((key, shape[0], n_threads, rule, fb, step, CAFFE_MS[key],
+        nets.append((key, shape[0], n_threads, fb, step, CAFFE_MS[key],
                      net_flops(net) / (min(fb, step) * 1e-3) / 1e9 / peak, peak))
         per_layer += [(key, *r) for r in layer_rows(net, a.rounds, not a.no_bits)]
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}; "
           f"median of {a.iterations} passes / steps\n")
-    print(f"kernel choices: {kernel_choice.cache_path()}\n")
-    print("| net | batch | threads | fwd+bwd ms, fixed kernels | fwd+bwd ms, chosen | solver step "
-          "ms | Caffe ms (issue 39) | Caffe / brewnet | fp32 peak (GFLOP/s) | peak fraction |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for key, batch, nt, rule, fb, step, caffe, frac, peak in nets:
-        print(f"| {key} | {batch} | {nt} | {rule:.1f} | {fb:.1f} | {step:.1f} | {caffe:g} | "
+    print("| net | batch | threads | fwd+bwd ms | solver step ms | Caffe ms (issue 39) | "
+          "Caffe / brewnet | fp32 peak (GFLOP/s) | peak fraction |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key, batch, nt, fb, step, caffe, frac, peak in nets:
+        print(f"| {key} | {batch} | {nt} | {fb:.1f} | {step:.1f} | {caffe:g} | "
               f"{caffe / min(fb, step):.2f}x | {peak:.0f} | {frac:.1%} |")
     print(f"\nPer layer: ms of each candidate (median of {a.rounds} interleaved rounds, on the "
           "net's threads); * the one brewnet runs; err vs float64 (relative); bits: same on "
