@@ -16,6 +16,7 @@ declare -A CMD=(
   [thread_bits]="python benchmarks/thread_bits.py"
   [conv_wgrad]="python benchmarks/conv_wgrad.py --rounds 7"
   [max_pool]="python benchmarks/max_pool.py --threads 1"
+  [train_speed]="python benchmarks/train_speed.py --iterations 10 --rounds 5"
   [scaling]="python benchmarks/scaling.py"
   [serve]="python benchmarks/serve.py lenet --body jpeg,npy --breakdown"
   [zoo]="python benchmarks/zoo.py --json benchmarks/results/zoo.json"
@@ -23,7 +24,7 @@ declare -A CMD=(
   [layer_passes]="python benchmarks/layer_passes.py"
   [postops]="python benchmarks/postops.py"
 )
-ORDER=(small_nets inference step_graph data many_nets fused thread_bits conv_wgrad max_pool scaling serve zoo bf16 layer_passes postops)
+ORDER=(small_nets inference step_graph data many_nets fused thread_bits conv_wgrad max_pool train_speed scaling serve zoo bf16 layer_passes postops)
 names=("${@:-${ORDER[@]}}")
 mkdir -p benchmarks/results
 for name in "${names[@]}"; do
