@@ -258,7 +258,7 @@ class Runner:
             for name, c in zip(attrs(g.gm), consts):
                 _set(g.gm, name, c)
         self.loop, self.deferred = loop, body.deferred
-        self.key = (g.gm, g.key, upd.gm, upd.key)
+        self.key, self.checked = (g.gm, g.key, upd.gm, upd.key), False    # a new loop: checked anew
         return True
 
     def _scalars(self, k: int):
