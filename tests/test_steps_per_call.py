@@ -258,3 +258,22 @@ def test_hdf5_take_batches_reads_what_forward_would(tmp_path, shuffle):
             rows += [torch.cat([a, b[:, None]], 1) for a, b in zip(*tops)]
         seqs.append(torch.stack(rows[:40]))
     assert torch.equal(seqs[0], seqs[1])
+
+
+def test_brewnet_train_uses_it_and_logs_the_same_losses(monkeypatch, tmp_path, caplog):
+    from brewnet import cli
+
+    (tmp_path / "net.prototxt").write_text(logreg_h5(tmp_path))
+    (tmp_path / "solver.prototxt").write_text(
+        f'net: "{tmp_path}/net.prototxt" base_lr: 0.01 momentum: 0.9 lr_policy: "fixed" '
+        'max_iter: 1200 display: 300 solver_mode: CPU random_seed: 1 snapshot_after_train: false')
+    got = []
+    for switch in ("0", "auto"):
+        monkeypatch.setenv("BREWNET_STEPS_PER_CALL", switch)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="brewnet"):
+            assert cli.main(["train", "--solver", str(tmp_path / "solver.prototxt")]) == 0
+        got.append(([re.sub(r"\(.*iters\), ", "", r.getMessage()) for r in caplog.records
+                     if "loss = " in r.getMessage()], "TorchScript loop" in caplog.text))
+    assert got[0][0] == got[1][0] and len(got[0][0]) == 9     # 5 displays, 4 output lines
+    assert got[1][1] and not got[0][1]      # the thread re-planning callback removed itself

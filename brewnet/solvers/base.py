@@ -268,7 +268,7 @@ class Solver:
                 self.test_all()
                 if self._early_exit:
                     break
-            for on_start, _ in self._callbacks:
+            for on_start, _ in tuple(self._callbacks):     # one may remove itself
                 on_start and on_start()
             display = p.display and self.iter % p.display == 0
             done = recorded_steps.run(self, start_iter, stop_iter) if several and not display else 0
