@@ -277,3 +277,13 @@ def test_brewnet_train_uses_it_and_logs_the_same_losses(monkeypatch, tmp_path, c
                      if "loss = " in r.getMessage()], "TorchScript loop" in caplog.text))
     assert got[0][0] == got[1][0] and len(got[0][0]) == 9     # 5 displays, 4 output lines
     assert got[1][1] and not got[0][1]      # the thread re-planning callback removed itself
+
+
+@pytest.mark.parametrize("policy", ['lr_policy: "fixed"', 'lr_policy: "inv" gamma: 0.001 power: 0.75',
+                                    'lr_policy: "multistep" gamma: 0.5 stepvalue: 300 stepvalue: 301',
+                                    'lr_policy: "poly" power: 2'])
+def test_lr_policies_equal_single_steps_bitwise(monkeypatch, tmp_path, policy):
+    net = logreg_h5(tmp_path)
+    single, several = both(monkeypatch, lambda: make(net, extra=policy), [600, 250])
+    assert loops_ran(several)
+    assert_same(single, several)

@@ -266,17 +266,31 @@ class Runner:
         s, upd = self.solver, self.update
         p, fn, step, i0 = s.param, policy(s.param.lr_policy), s.current_step, s.iter
         extra = getattr(s, "iteration_scalars", None)
-        rows = []
-        try:
-            for j in range(k):
-                s.iter = i0 + j
-                rate, step = fn(p, s.iter, step)
-                row = [f32(rate) * m for m in upd.lr_mults]
-                rows.append(row + list(extra().values()) if extra is not None else row)
-        finally:
-            s.iter = i0
+        mults = np.array(upd.lr_mults, dtype=np.float32)
+        if extra is None and (p.lr_policy == "fixed" or (p.lr_policy == "step" and p.stepsize > 0)):
+            # a rate per step of the policy (the same call for each iteration of a step)
+            its = np.arange(i0, i0 + k)
+            keys = its // p.stepsize if p.lr_policy == "step" else np.zeros(k, np.int64)
+            _, first, which = np.unique(keys, return_index=True, return_inverse=True)
+            rates = []
+            for j in first:
+                rate, step = fn(p, int(its[j]), step)
+                rates.append(rate)
+            table = np.array(rates, dtype=np.float32)[:, None] * mults[None, :]
+            rows = table[which.reshape(-1)]
+        else:
+            rows = []
+            try:
+                for j in range(k):
+                    s.iter = i0 + j
+                    rate, step = fn(p, s.iter, step)
+                    row = [f32(rate) * m for m in upd.lr_mults]
+                    rows.append(row + list(extra().values()) if extra is not None else row)
+            finally:
+                s.iter = i0
+            rows = np.array(rows, dtype=np.float32).reshape(k, -1)
         upd.rate = rate
-        return torch.from_numpy(np.array(rows, dtype=np.float32).reshape(k, -1)).unbind(0), step
+        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).unbind(0), step
 
     def _loop(self, per, scalars) -> tuple[list, torch.Tensor]:
         """The loop over iterations ``per`` (each one's inputs) with ``scalars``: (the last
