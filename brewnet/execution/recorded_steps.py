@@ -185,13 +185,13 @@ class _Loop(torch.nn.Module):
         super().__init__()
         self.body = body
 
-    def forward(self, xs: List[List[torch.Tensor]], scalars: List[torch.Tensor],
+    def forward(self, xs: List[torch.Tensor], scalars: torch.Tensor, start: int, stop: int,
                 consts: List[torch.Tensor], params: List[torch.Tensor],
                 hist: List[torch.Tensor]) -> List[torch.Tensor]:
         out: List[torch.Tensor] = []
         losses: List[torch.Tensor] = []
-        for k in range(len(xs)):
-            out = self.body(xs[k], scalars[k], consts, params, hist)
+        for k in range(start, stop):
+            out = self.body([x[k] for x in xs], scalars[k], consts, params, hist)
             losses.append(out[0])
         out.append(torch.stack(losses))
         return out
@@ -290,16 +290,16 @@ class Runner:
                 s.iter = i0
             rows = np.array(rows, dtype=np.float32).reshape(k, -1)
         upd.rate = rate
-        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).unbind(0), step
+        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)), step
 
-    def _loop(self, per, scalars) -> tuple[list, torch.Tensor]:
-        """The loop over iterations ``per`` (each one's inputs) with ``scalars``: (the last
-        iteration's outputs, the losses)."""
+    def _loop(self, xs, scalars, start: int, stop: int) -> tuple[list, torch.Tensor]:
+        """The loop over iterations ``start`` to ``stop`` of the staged ``xs`` and ``scalars``:
+        (the last iteration's outputs, the losses)."""
         s, g = self.solver, self.graph
         consts = [getattr(g.gm, n).detach() for n in attrs(g.gm)]
         params = [t.detach() for t in s.net.learnable]
         with torch.no_grad(), torch.jit.optimized_execution(False):
-            out = self.loop(per, scalars, consts, params, list(s.history))
+            out = self.loop(xs, scalars, start, stop, consts, params, list(s.history))
         return out[:-1], out[-1]
 
     def __call__(self, k: int) -> tuple[int, list]:
@@ -315,14 +315,13 @@ class Runner:
         state = self._state()
         before, step0 = [t.clone() for t in state], s.current_step
         scalars, step = self._scalars(k)
-        per = [list(t) for t in zip(*[x.unbind(0) for x in xs])]
         start, first = 0, None
         if not self.checked:
-            start = self.guard.attempt(self._check, per, scalars, before, step0)
+            start = self.guard.attempt(self._check, xs, scalars, before, step0)
             if start is FAILED or not start:
                 return self._undo(xs, before, step0)
             self.checked, first = True, self._first
-        out, losses = self._loop(per[start:], scalars[start:])
+        out, losses = self._loop(xs, scalars, start, k)
         if first is not None:
             losses = torch.cat([first, losses])
         if not bool(torch.isfinite(losses).all()):
@@ -339,13 +338,13 @@ class Runner:
             grads[i] = grads[i].clone().copy_(self.solver.history[j])
         return grads
 
-    def _check(self, per, scalars, before, step0) -> int:
+    def _check(self, xs, scalars, before, step0) -> int:
         """The first CHECK_K iterations through the loop and as single steps (the replayed
         step, the eager update), from the same state: their count if the bits agree, else 0."""
         s, g = self.solver, self.graph
         n = CHECK_K
         state = self._state()
-        out, self._first = self._loop(per[:n], scalars[:n])
+        out, self._first = self._loop(xs, scalars, 0, n)
         mine = [t.clone() for t in state] + self._steps(out)
         with torch.no_grad():
             for t, b in zip(state, before):
@@ -355,7 +354,7 @@ class Runner:
         try:
             for j in range(n):
                 s.iter = i0 + j
-                ref.append(g._replay(per[j]).clone())
+                ref.append(g._replay([x[j] for x in xs]).clone())
                 s.apply_update(store_step=True)
         finally:
             s.iter = i0
