@@ -287,3 +287,28 @@ def test_lr_policies_equal_single_steps_bitwise(monkeypatch, tmp_path, policy):
     single, several = both(monkeypatch, lambda: make(net, extra=policy), [600, 250])
     assert loops_ran(several)
     assert_same(single, several)
+
+
+def test_a_read_that_fails_inside_the_loop_raises_at_its_iteration(monkeypatch, tmp_path):
+    from brewnet.data.hdf5 import HDF5Data
+    net = logreg_h5(tmp_path)
+    forward, got, calls = HDF5Data.forward, [], []
+
+    def failing(self, bottoms):
+        calls.append(1)
+        if len(calls) == 1000:
+            raise OSError("disk gone")
+        return forward(self, bottoms)
+    monkeypatch.setattr(HDF5Data, "forward", failing)
+    monkeypatch.setattr(HDF5Data, "take_batches", lambda self, most: None)    # a read a batch
+    for switch in ("0", "auto"):
+        monkeypatch.setenv("BREWNET_STEPS_PER_CALL", switch)
+        calls.clear()
+        s = make(net)
+        s.step(600)
+        with pytest.raises(OSError, match="disk gone"):
+            s.step(900)
+        got.append((s.iter, state(s), loops_ran(s)))
+    assert got[0][0] == got[1][0] == 999 and got[1][2] and not got[0][2]
+    for x, y in zip(got[0][1], got[1][1]):
+        np.testing.assert_array_equal(x, y)

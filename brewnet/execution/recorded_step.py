@@ -233,6 +233,8 @@ class StepGraph:
             from ..layers.origins import note
             xs, it = self.staged.pop(0), 0
             notes = dict(self.staged_notes.pop(0))
+            if isinstance(xs, BaseException):      # a read ahead failed here: as the read would
+                raise xs
             for i in self.sources:
                 names, layer = net.top_lists[i], net.layer_list[i]
                 if layer in notes:

@@ -109,34 +109,51 @@ def run(solver, start_iter: int, stop_iter: int) -> int:
     return done
 
 
-def stage(graph, k: int) -> tuple[list[torch.Tensor], list]:
+def stage(graph, k: int) -> tuple[list[torch.Tensor], list, BaseException | None]:
     """The bottomless layers' next ``k`` batches, each top as a (k, ...) tensor (an Input
-    layer's blob, which nothing writes between the iterations, repeated as a view), and per
-    data layer (layer, [origin(j) of each batch j]) for the single steps' label messages."""
-    net, out, notes = graph.net, [], []
-    for i in graph.sources:
-        layer = net.layer_list[i]
-        names = net.top_lists[i]
-        if layer.type == "Input":
-            out += [net.blobs[n].tensor.detach().unsqueeze(0).expand(k, *net.blobs[n].shape)
-                    for n in names]
-            continue
-        parts: list[list] = [[] for _ in names]
-        take, origins = getattr(layer, "take_batches", None), []
-        while len(origins) < k:
-            got = take(k - len(origins)) if take is not None else None
-            if got is None:
-                tops = [t.unsqueeze(0) for t in layer.forward([])]
-                noted = getattr(layer, "batch_origin", None)
-                origins.append(lambda b, o=noted and noted[0]: o)
-            else:
+    layer's blob, which nothing writes between the iterations, repeated as a view); per data
+    layer (layer, [origin(j) of each batch j]) for the single steps' label messages; and the
+    error a read raised (then only the iterations read before it, [] for none). Read in the
+    order single steps read (iteration by iteration across layers; one layer alone may take
+    its batches at once, ``take_batches``)."""
+    net = graph.net
+    data = [i for i in graph.sources if net.layer_list[i].type != "Input"]
+    parts = {i: [[] for _ in net.top_lists[i]] for i in data}
+    origins: dict[int, list] = {i: [] for i in data}
+    take = getattr(net.layer_list[data[0]], "take_batches", None) if len(data) == 1 else None
+    n, error = 0, None
+    while n < k:
+        try:
+            got = take(k - n) if take is not None else None
+            if got is not None:
                 tops, origin = got
-                origins += [lambda b, j=j, f=origin: f(j) for j in range(tops[0].shape[0])]
-            for p, t in zip(parts, tops):
-                p.append(t)
-        out += [p[0] if len(p) == 1 else torch.cat(p) for p in parts]
-        notes.append((layer, origins))
-    return out, notes
+                for p, t in zip(parts[data[0]], tops):
+                    p.append(t)
+                origins[data[0]] += [lambda b, j=j, f=origin: f(j) for j in range(tops[0].shape[0])]
+                n += tops[0].shape[0]
+                continue
+            for i in data:
+                layer = net.layer_list[i]
+                tops = [t.unsqueeze(0) for t in layer.forward([])]
+                for p, t in zip(parts[i], tops):
+                    p.append(t)
+                noted = getattr(layer, "batch_origin", None)
+                origins[i].append(lambda b, o=noted and noted[0]: o)
+            n += 1
+        except Exception as e:     # noqa: BLE001 - raised again at its iteration (StepGraph._inputs)
+            error = e
+            break
+    if n == 0:
+        return [], [], error
+    out = []
+    for i in graph.sources:
+        names = net.top_lists[i]
+        if i in parts:
+            out += [torch.cat(p)[:n] if len(p) > 1 else p[0][:n] for p in parts[i]]
+        else:
+            out += [net.blobs[m].tensor.detach().unsqueeze(0).expand(n, *net.blobs[m].shape)
+                    for m in names]
+    return out, [(net.layer_list[i], origins[i][:n]) for i in data], error
 
 
 def labels_ok(graph, xs) -> bool:
@@ -304,9 +321,9 @@ class Runner:
 
     def __call__(self, k: int) -> tuple[int, list]:
         s, g = self.solver, self.graph
-        xs, self.notes = stage(g, k)
-        if g._key([x[0] for x in xs]) != g.key or not labels_ok(g, xs):
-            return self._leave(xs)
+        xs, self.notes, error = stage(g, k)
+        if error is not None or g._key([x[0] for x in xs]) != g.key or not labels_ok(g, xs):
+            return self._leave(xs, error)
         upd = self.update
         if (self.loop is None or upd is None or not upd.usable()
                 or self.key != (g.gm, g.key, upd.gm, upd.key)):
@@ -321,7 +338,10 @@ class Runner:
             if start is FAILED or not start:
                 return self._undo(xs, before, step0)
             self.checked, first = True, self._first
-        out, losses = self._loop(xs, scalars, start, k)
+        got = self.guard.attempt(self._loop, xs, scalars, start, k)
+        if got is FAILED:
+            return self._undo(xs, before, step0)
+        out, losses = got
         if first is not None:
             losses = torch.cat([first, losses])
         if not bool(torch.isfinite(losses).all()):
@@ -377,11 +397,15 @@ class Runner:
             t.grad = None
         return self._leave(xs)
 
-    def _leave(self, xs) -> tuple[int, list]:
-        """The staged batches, for single steps to take (StepGraph._inputs)."""
-        self.graph.staged = [list(t) for t in zip(*[x.unbind(0) for x in xs])]
-        self.graph.staged_notes = [[(layer, fs[j]) for layer, fs in self.notes]
-                                   for j in range(len(self.graph.staged))]
+    def _leave(self, xs, error: BaseException | None = None) -> tuple[int, list]:
+        """The staged batches, for single steps to take (StepGraph._inputs), then the error a
+        read raised, raised by the single step that would have read it."""
+        g = self.graph
+        g.staged = [list(t) for t in zip(*[x.unbind(0) for x in xs])]
+        g.staged_notes = [[(layer, fs[j]) for layer, fs in self.notes] for j in range(len(g.staged))]
+        if error is not None:
+            g.staged.append(error)
+            g.staged_notes.append([])
         return 0, []
 
     def _finish(self, xs, out) -> None:
