@@ -138,6 +138,27 @@ class HDF5Data(SourceLayer):
         note_origin(self, tops, FileRows(runs))
         return tops
 
+    def take_batches(self, most: int) -> tuple | None:
+        """Up to ``most`` next batches at once, each top as a (batches, batch_size, ...) tensor:
+        the batches ``forward`` would give one by one, while they lie inside the current file
+        with a row left after them (then no file or shuffle changes); None where none do.
+        Returns (tops, origin): ``origin(b)`` is batch b's ``Origin`` (origins.py)."""
+        n, row = self.batch_size, self.current_row
+        j = min(most, (len(self.row_order) - 1 - row) // n) if self.count == 1 else 0
+        if j < 1:
+            return None
+        rows = self.row_order[row:row + j * n]
+        self.current_row, self.offset = row + j * n, self.offset + j * n
+        tops = [torch.from_numpy(b[rows].reshape((j, n) + b.shape[1:])) for b in self.blobs_in_file]
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            tops = [t.to(device=self.device, dtype=self.dtype) for t in tops]
+        path = self.path
+
+        def origin(b: int) -> FileRows:
+            return FileRows([(path, rows[b * n:(b + 1) * n].copy())])
+        note_origin(self, [t[-1] for t in tops], origin(j - 1))
+        return tops, origin
+
     def forward(self, bottoms):
         n, row = self.batch_size, self.current_row
         if self.count == 1 and row + n < len(self.row_order):

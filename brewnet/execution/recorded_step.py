@@ -76,6 +76,26 @@ def device_refusal(device: torch.device, asked: bool = True) -> str | None:
     return kind[1](device, asked) if kind else f"device {device}: no CUDA graphs there"
 
 
+def for_solver(solver, iters_left: int):
+    """The solver's train net's recorded forward-backward once this run is long enough to pay
+    for the trace; None: the eager step."""
+    g = getattr(solver, "_graph", None)
+    if g is not None and g.net is solver.net:
+        return g
+    solver._graph_iters = getattr(solver, "_graph_iters", 0) + 1
+    if mode() != "1" and iters_left < MIN_ITERS and solver._graph_iters < MIN_ITERS:
+        return None     # a loop of short step() calls waits for MIN_ITERS of them
+    refused = getattr(solver, "_graph_refused", None)
+    if refused is None or refused[0] is not solver.net:
+        solver._graph_refused = refused = (solver.net, refusal(solver))
+        if refused[1]:
+            log.debug("step graph: %s", refused[1])
+    if refused[1]:
+        return None
+    g = solver._graph = StepGraph(solver.net)
+    return g
+
+
 @contextmanager
 def _deferred_label_checks(record: list):
     from ..layers import loss
@@ -167,6 +187,8 @@ class StepGraph:
         self.update = None
         self.updated_at, self.update_out = None, ()
         self.guard = FastPath("the recorded training step", getattr(net, "name", ""))
+        self.staged: list[list] = []       # batches read ahead (recorded_steps.py), taken first
+        self.staged_notes: list[list] = []  # their data layers' (layer, origin of the batch)
 
     def wants_update(self) -> bool:
         """Whether the solver's update should be recorded for this step graph (on the CPU the
@@ -207,6 +229,20 @@ class StepGraph:
     def _inputs(self) -> list[torch.Tensor]:
         """Run the bottomless layers as the executor does; their tops feed the graph."""
         net, xs = self.net, []
+        if self.staged:
+            from ..layers.origins import note
+            xs, it = self.staged.pop(0), 0
+            notes = dict(self.staged_notes.pop(0))
+            if isinstance(xs, BaseException):      # a read ahead failed here: as the read would
+                raise xs
+            for i in self.sources:
+                names, layer = net.top_lists[i], net.layer_list[i]
+                if layer in notes:
+                    for name, t in zip(names, xs[it:it + len(names)]):
+                        net.blobs[name].write(t)
+                    note(layer, xs[it:it + len(names)], notes[layer](0))
+                it += len(names)
+            return xs
         for i in self.sources:
             layer = net.layer_list[i]
             if layer.type == "Input":

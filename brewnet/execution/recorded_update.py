@@ -119,9 +119,10 @@ class UpdateGraph:
         self.names = list(_iteration_scalars(s))
         self.clipping = f32(s.param.clip_gradients) >= 0 and bool(mults)
 
-    def _update(self, *args):
+    def _update(self, *args, defer: bool = False):
         """The update on tensors: ``args`` = (*grads, *params, *history, scalars), the params
-        and history being the solver's own (the rules read ``solver.history`` by identity)."""
+        and history being the solver's own (the rules read ``solver.history`` by identity).
+        ``defer``: a rule may leave the step in the diff to later (kept in ``self.deferred``)."""
         s = self.solver
         n, p = len(s.net.learnable), s.param
         grads, params, scalars = list(args[:n]), args[n:2 * n], args[-1]
@@ -146,7 +147,8 @@ class UpdateGraph:
             todo.append((i, t, g, decay, rates[lr_mult]))
         pending, s._pending_steps = s._pending_steps, []
         try:
-            s.update_params(todo, p.regularization_type == "L2", store_step=True)
+            s.update_params(todo, p.regularization_type == "L2", store_step=not defer)
+            self.deferred = s._pending_steps
         finally:
             s.scalar_inputs, s._pending_steps = None, pending
         return tuple(out)

@@ -125,7 +125,8 @@ def plan_beside(layers, data_busy: float | None = None, what: str = "") -> int:
 def replan_after(solver, measure, iterations: int = 20) -> None:
     """Once ``iterations`` steps of ``solver`` have run, ``plan_beside`` again from
     ``measure(seconds)``: the cores its data threads really kept busy over those seconds (JPEG
-    decoding needs a core, raw LMDB records do not). Behind the fast-path guard."""
+    decoding needs a core, raw LMDB records do not). Behind the fast-path guard. The callback
+    then removes itself: a callback keeps a run to one iteration per call (recorded_steps.py)."""
     start: dict = {}
     guard = FastPath("re-planning the threads", solver.net.name)
 
@@ -134,6 +135,7 @@ def replan_after(solver, measure, iterations: int = 20) -> None:
             start.update(iter=s.iter, t=time.perf_counter())
         elif s.iter - start["iter"] == iterations:
             guard.attempt(lambda: plan_beside(s.net.layer_list, measure(time.perf_counter() - start["t"])))
+            s._callbacks[:] = [c for c in s._callbacks if c[0] is not check]
 
     solver.add_callback(on_start=check)
 

@@ -18,7 +18,7 @@ import torch
 
 from ..blob import diff_viewed
 from ..data import cursors
-from ..execution import determinism, process, recorded_step, recorded_update, threads
+from ..execution import determinism, process, recorded_step, recorded_steps, recorded_update, threads
 from ..net import Net
 from ..proto import caffe_pb2 as pb
 from . import detection_eval
@@ -237,20 +237,21 @@ class Solver:
     @prefixed
     def step(self, iters: int) -> None:
         """Run ``iters`` iterations (Caffe's ``Solver::Step``)."""
-        for _ in self._stepping(iters):
+        for _ in self._stepping(iters, several=True):
             pass
 
-    def _stepping(self, iters: int):
+    def _stepping(self, iters: int, several: bool = False):
         """``step`` as a generator that yields after each iteration (``brewnet.many`` runs
-        several solvers' iterations in turn)."""
+        several solvers' iterations in turn); ``several``: iterations between two observable
+        points may run as one call, yielding once (execution/recorded_steps.py)."""
         start_iter, stop_iter = self.iter, self.iter + int(iters)
         self._losses, self.smoothed_loss = [], f32(0)
         try:
-            yield from self._step_loop(start_iter, stop_iter)
+            yield from self._step_loop(start_iter, stop_iter, several)
         finally:
             self._store_steps()
 
-    def _step_loop(self, start_iter: int, stop_iter: int) -> None:
+    def _step_loop(self, start_iter: int, stop_iter: int, several: bool = False) -> None:
         p = self.param
         tic, last = time.perf_counter(), self.iter
         while self.iter < stop_iter:
@@ -267,23 +268,25 @@ class Solver:
                 self.test_all()
                 if self._early_exit:
                     break
-            for on_start, _ in self._callbacks:
+            for on_start, _ in tuple(self._callbacks):     # one may remove itself
                 on_start and on_start()
             display = p.display and self.iter % p.display == 0
-            with self.threads:           # times the iteration for the thread choice
-                determinism.blas_on_one_thread()    # after the count is set: it resets MKL's
-                self._iters_left = stop_iter - self.iter     # for the step graph's choice
-                self.loss = self._forward_backward()
-                self._update_smoothed_loss(self.loss, start_iter)
-                if display:
-                    self._log_speed(self.iter - last, time.perf_counter() - tic)
-                    tic, last = time.perf_counter(), self.iter
-                    self._log_outputs(self.net, "Train", {n: self.net.blobs[n].tensor for n in self.net.outputs})
-                for _, on_gradients in self._callbacks:
-                    on_gradients and on_gradients()
-                if not recorded_update.applied(self, display):   # the step graph's recorded update
-                    self.apply_update(display, store_step=False)
-            self.iter += 1
+            done = recorded_steps.run(self, start_iter, stop_iter) if several and not display else 0
+            if not done:    # else the iterations to the next observable point, in one call
+                with self.threads:           # times the iteration for the thread choice
+                    determinism.blas_on_one_thread()    # after the count is set: it resets MKL's
+                    self._iters_left = stop_iter - self.iter     # for the step graph's choice
+                    self.loss = self._forward_backward()
+                    self._update_smoothed_loss(self.loss, start_iter)
+                    if display:
+                        self._log_speed(self.iter - last, time.perf_counter() - tic)
+                        tic, last = time.perf_counter(), self.iter
+                        self._log_outputs(self.net, "Train", {n: self.net.blobs[n].tensor for n in self.net.outputs})
+                    for _, on_gradients in self._callbacks:
+                        on_gradients and on_gradients()
+                    if not recorded_update.applied(self, display):   # the step graph's recorded update
+                        self.apply_update(display, store_step=False)
+            self.iter += done or 1
             request = self._take_request()
             if (p.snapshot and self.iter % p.snapshot == 0) or request == "snapshot":
                 self.snapshot()
@@ -297,12 +300,12 @@ class Solver:
               sighup_effect: str | None = None) -> None:
         """Train to ``max_iter`` (Caffe's ``Solver::Solve``). ``sigint_effect``/``sighup_effect``
         ("stop", "snapshot", "none") install handlers for the run, as ``caffe train`` does."""
-        for _ in self.solving(resume_file, sigint_effect, sighup_effect):
+        for _ in self.solving(resume_file, sigint_effect, sighup_effect, several=True):
             pass
 
     def solving(self, resume_file=None, sigint_effect: str | None = None,
-                sighup_effect: str | None = None):
-        """``solve`` as a generator that yields after each iteration."""
+                sighup_effect: str | None = None, several: bool = False):
+        """``solve`` as a generator that yields after each iteration (``several``: _stepping's)."""
         p = self.param
         log.info("Solving %s", self.net.name)
         log.info("Learning Rate Policy: %s", p.lr_policy)
@@ -312,7 +315,7 @@ class Solver:
                 log.info("Restoring previous solver status from %s", resume_file)
                 self.restore(resume_file)
             start_iter = self.iter
-            yield from self._stepping(p.max_iter - self.iter)
+            yield from self._stepping(p.max_iter - self.iter, several)
             if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
                 self.snapshot()
             if self._early_exit:
@@ -355,7 +358,7 @@ class Solver:
 
     def _forward_backward(self) -> np.float32:
         total = None
-        graph = None if self.net.hooked() else self._step_graph(getattr(self, "_iters_left", 0))
+        graph = None if self.net.hooked() else recorded_step.for_solver(self, getattr(self, "_iters_left", 0))
         for _ in range(self.param.iter_size):
             self._feed(self.net, self.train_feed, self._train_count)
             self._train_count += 1
@@ -370,26 +373,6 @@ class Solver:
             raise LossNotFiniteError(f"Iteration {self.iter}: loss is {value}; "
                                      f"{nonfinite_origin(self.net)}")
         return value
-
-    def _step_graph(self, iters_left: int):
-        """The train net's recorded forward-backward (recorded_step.py) once this run is long
-        enough to pay for the trace; None: the eager step."""
-        g = getattr(self, "_graph", None)
-        if g is not None and g.net is self.net:
-            return g
-        self._graph_iters = getattr(self, "_graph_iters", 0) + 1
-        if (recorded_step.mode() != "1" and iters_left < recorded_step.MIN_ITERS
-                and self._graph_iters < recorded_step.MIN_ITERS):   # a loop of short step() calls
-            return None
-        refused = getattr(self, "_graph_refused", None)
-        if refused is None or refused[0] is not self.net:
-            self._graph_refused = refused = (self.net, recorded_step.refusal(self))
-            if refused[1]:
-                log.debug("step graph: %s", refused[1])
-        if refused[1]:
-            return None
-        g = self._graph = recorded_step.StepGraph(self.net)
-        return g
 
     def apply_update(self, display: bool = False, store_step: bool = True) -> None:
         """One update from the current param diffs (Caffe's ``SGDSolver::ApplyUpdate``);

@@ -1,0 +1,314 @@
+"""Several iterations per call (brewnet/execution/recorded_steps.py): the bits of single steps
+(loss, params, history, diffs, blobs, the smoothed loss and the log lines), its refusals, its
+fallbacks, and that ``solver.step`` uses it at default settings."""
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from brewnet.execution import recorded_steps
+from brewnet.proto import caffe_pb2 as pb
+from brewnet.proto import parse_text
+from brewnet.solvers import SOLVERS, LossNotFiniteError
+from helpers import random_digits_lmdb
+from test_step_graph import conv_net, state
+
+SWITCHES = ("BREWNET_STEP_GRAPH", "BREWNET_STEPS_PER_CALL", "BREWNET_THREADS")
+
+
+@pytest.fixture(autouse=True)
+def defaults(monkeypatch):
+    for var in SWITCHES:
+        monkeypatch.delenv(var, raising=False)
+
+
+def logreg_h5(folder, rows: int = 300, bad_label_row: int | None = None,
+              huge_row: int | None = None) -> str:
+    import h5py
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, 4)).astype(np.float32)
+    y = (x[:, 0] + 0.3 * rng.standard_normal(rows) > 0).astype(np.float32)
+    if bad_label_row is not None:
+        y[bad_label_row] = 5
+    if huge_row is not None:
+        x[huge_row] = 3e38          # finite (HDF5Data refuses NaN), but the loss overflows
+    with h5py.File(folder / "train.h5", "w") as f:
+        f["data"], f["label"] = x, y
+    (folder / "train.txt").write_text(str(folder / "train.h5") + "\n")
+    return f"""name: "LogReg"
+layer {{ name: "data" type: "HDF5Data" top: "data" top: "label"
+        hdf5_data_param {{ source: "{folder}/train.txt" batch_size: 10 }} }}
+layer {{ name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+        inner_product_param {{ num_output: 2 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "accuracy" type: "Accuracy" bottom: "ip1" bottom: "label" top: "accuracy" }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top: "loss" }}
+"""
+
+
+def make(net: str, solver_type: str = "SGD", extra: str = "", lr: str = "0.01"):
+    param = parse_text(f"""type: "{solver_type}" base_lr: {lr} momentum: 0.9 weight_decay: 5e-4
+        lr_policy: "step" gamma: 0.5 stepsize: 250 max_iter: 900 display: 0 random_seed: 3
+        average_loss: 7 snapshot_after_train: false""", pb.SolverParameter())
+    param.MergeFrom(parse_text(extra, pb.SolverParameter()))    # its fields override these
+    if solver_type == "Adam":
+        param.momentum2 = 0.999
+    param.net_param.CopyFrom(parse_text(net, pb.NetParameter()))
+    return SOLVERS[solver_type](param)
+
+
+def full_state(s) -> list:
+    return state(s) + [t.grad.numpy().copy() for t in s.net.learnable] + [
+        np.float32(s.smoothed_loss), np.float32(s.loss), s.iter, s.current_step]
+
+
+def loops_ran(s) -> bool:
+    r = getattr(s, "_steps_runner", None)
+    return r is not None and r.checked and r.guard.off is None
+
+
+def both(monkeypatch, build, calls, run=lambda s, n: s.step(n)):
+    """(single steps, default) solvers after the same ``calls``; the default must use the loop."""
+    monkeypatch.setenv("BREWNET_STEPS_PER_CALL", "0")
+    single = build()
+    for n in calls:
+        run(single, n)
+    monkeypatch.delenv("BREWNET_STEPS_PER_CALL")
+    several = build()
+    for n in calls:
+        run(several, n)
+    assert getattr(single, "_steps_runner", None) is None or not single._steps_runner.checked
+    return single, several
+
+
+def assert_same(a, b):
+    for x, y in zip(full_state(a), full_state(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("solver_type", ["SGD", "Adam", "Nesterov"])
+def test_logreg_several_per_call_equal_single_steps_bitwise(monkeypatch, tmp_path, solver_type):
+    net = logreg_h5(tmp_path)      # 30 batches a pass: the loop's reads wrap the file
+    single, several = both(monkeypatch, lambda: make(net, solver_type), [600, 37, 451])
+    assert loops_ran(several)
+    assert_same(single, several)
+
+
+def test_lenet_like_net_on_lmdb_equals_single_steps_bitwise(monkeypatch, tmp_path):
+    src = random_digits_lmdb(tmp_path / "db", 40, 12, seed=1)
+    single, several = both(monkeypatch, lambda: make(conv_net(src)), [520, 30])
+    assert loops_ran(several)
+    assert_same(single, several)
+
+
+def test_displays_tests_snapshots_and_log_lines_are_unchanged(monkeypatch, tmp_path, caplog):
+    net = logreg_h5(tmp_path)
+    extra = (f'display: 45 test_interval: 70 test_iter: 3 snapshot: 110 '
+             f'snapshot_prefix: "{tmp_path}/PREFIX" test_initialization: false')
+
+    def build():
+        s = make(net, extra=extra.replace("PREFIX", f"s{len(caplog.records)}"))
+        s.test_nets = []          # the test runs at its iterations: counted below
+        s.tested = []
+        s.test_all = lambda: s.tested.append(s.iter)
+        return s
+
+    def lines():
+        out = [re.sub(r"\(.*iters\), ", "", r.getMessage()) for r in caplog.records
+               if re.search(r"loss = |lr = |net output|Snapshotting to", r.getMessage())]
+        caplog.clear()
+        return [re.sub(r"s\d+_iter", "iter", m) for m in out]
+
+    with caplog.at_level(logging.INFO, logger="brewnet"):
+        monkeypatch.setenv("BREWNET_STEPS_PER_CALL", "0")
+        single = build()
+        single.step(700)
+        single_lines = lines()
+        monkeypatch.delenv("BREWNET_STEPS_PER_CALL")
+        several = build()
+        several.step(700)
+        several_lines = lines()
+    assert loops_ran(several)
+    assert single_lines == several_lines and len(single_lines) > 30
+    assert single.tested == several.tested == list(range(70, 700, 70))
+    assert_same(single, several)
+
+
+def test_span_ends_before_each_observable_point(tmp_path):
+    s = make(logreg_h5(tmp_path), extra="display: 100 test_interval: 60 snapshot: 45 snapshot_prefix: 'x'")
+    s.iter = 10
+    assert recorded_steps.span(s, 10_000, 8) == 35            # the snapshot after iteration 44
+    s.param.snapshot = 0
+    assert recorded_steps.span(s, 10_000, 8) == 50            # the test at 60
+    s.param.test_interval = 0
+    assert recorded_steps.span(s, 10_000, 8) == 90            # the display at 100
+    assert recorded_steps.span(s, 30, 8) == 20                # the end of the call
+    s.param.display = 0
+    assert recorded_steps.span(s, 10_000, recorded_steps.MAX_STAGED // 7) == 7   # memory
+
+
+@pytest.mark.parametrize("what", ["callback", "layer hook", "dropout layer", "clipping"])
+def test_refused_where_something_runs_between_iterations(monkeypatch, tmp_path, what):
+    net = logreg_h5(tmp_path)
+    calls = []
+    if what == "dropout layer":
+        net = net.replace('layer { name: "accuracy"', 'layer { name: "drop" type: "Dropout" '
+                          'bottom: "ip1" top: "ip1" }\nlayer { name: "accuracy"', 1)
+        assert "Dropout" in net
+
+    def build():
+        s = make(net, extra="clip_gradients: 100" if what == "clipping" else "")
+        if what == "callback":
+            s.add_callback(on_start=lambda: calls.append(s.iter))
+        if what == "layer hook":
+            s.net.add_hook("before_forward", lambda i: calls.append(i))
+        return s
+    single, several = both(monkeypatch, build, [600])
+    assert not loops_ran(several)
+    assert_same(single, several)
+    if what == "callback":
+        assert calls == list(range(600)) * 2
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_thread_count_keeps_the_bits(monkeypatch, tmp_path, threads):
+    src = random_digits_lmdb(tmp_path / "db", 40, 12, seed=1)
+    monkeypatch.setenv("BREWNET_STEPS_PER_CALL", "0")
+    monkeypatch.setenv("BREWNET_THREADS", "1")
+    single = make(conv_net(src))
+    single.step(530)
+    monkeypatch.delenv("BREWNET_STEPS_PER_CALL")
+    monkeypatch.setenv("BREWNET_THREADS", threads)
+    several = make(conv_net(src))
+    several.step(530)
+    assert loops_ran(several)
+    assert_same(single, several)
+    torch.set_num_threads(1)
+
+
+def test_a_bad_label_inside_the_loop_raises_at_its_iteration(monkeypatch, tmp_path):
+    net = logreg_h5(tmp_path, rows=10_000, bad_label_row=10 * 700 + 3)
+    got = []
+    for switch in ("0", "auto"):
+        monkeypatch.setenv("BREWNET_STEPS_PER_CALL", switch)
+        s = make(net)
+        with pytest.raises(Exception, match="label 5 at position 3 is out of range") as e:
+            s.step(900)
+        got.append((s.iter, str(e.value), state(s) + [t.grad is None for t in s.net.learnable]))
+    assert got[0][:2] == got[1][:2] and got[0][0] == 700
+    for x, y in zip(got[0][2], got[1][2]):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_nonfinite_loss_inside_the_loop_raises_at_its_iteration(monkeypatch, tmp_path):
+    net = logreg_h5(tmp_path, rows=10_000, huge_row=10 * 700 + 3)
+    got = []
+    for switch in ("0", "auto"):
+        monkeypatch.setenv("BREWNET_STEPS_PER_CALL", switch)
+        s = make(net)
+        with pytest.raises(LossNotFiniteError) as e:
+            s.step(900)
+        got.append((s.iter, str(e.value), loops_ran(s)))
+    assert got[0][:2] == got[1][:2] and got[0][0] == 700 and got[1][2]
+
+
+def test_a_loop_that_differs_keeps_single_steps_with_the_batches_read(monkeypatch, tmp_path, caplog):
+    net = logreg_h5(tmp_path)
+    monkeypatch.setenv("BREWNET_STEPS_PER_CALL", "0")
+    single = make(net)
+    single.step(700)
+    monkeypatch.delenv("BREWNET_STEPS_PER_CALL")
+    monkeypatch.setattr(recorded_steps, "same_bits", lambda a, b: False)
+    several = make(net)
+    with caplog.at_level(logging.WARNING, logger="brewnet"):
+        several.step(700)
+    assert several._steps_runner.guard.off is not None
+    assert "differ from single steps" in caplog.text
+    assert_same(single, several)
+
+
+def test_solve_uses_it_and_the_many_runners_do_not(monkeypatch, tmp_path):
+    net = logreg_h5(tmp_path)
+    single, several = both(monkeypatch, lambda: make(net), [None], run=lambda s, n: s.solve())
+    assert loops_ran(several) and several.iter == 900
+    assert_same(single, several)
+    s = make(net)
+    for _ in s._stepping(600):       # brewnet.many's generator: one iteration per yield
+        pass
+    assert not loops_ran(s)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_hdf5_take_batches_reads_what_forward_would(tmp_path, shuffle):
+    from brewnet.net import Net
+    net = logreg_h5(tmp_path, rows=95).replace("batch_size: 10", f"batch_size: 10 shuffle: {str(shuffle).lower()}")
+    seqs = []
+    for take in (False, True):
+        torch.manual_seed(0)
+        np.random.seed(0)
+        layer = Net(parse_text(net, pb.NetParameter()), pb.TRAIN).layer_list[0]
+        rows = []
+        while len(rows) < 40:
+            got = layer.take_batches(7) if take else None
+            tops = got[0] if got is not None else [t.unsqueeze(0) for t in layer.forward([])]
+            rows += [torch.cat([a, b[:, None]], 1) for a, b in zip(*tops)]
+        seqs.append(torch.stack(rows[:40]))
+    assert torch.equal(seqs[0], seqs[1])
+
+
+def test_brewnet_train_uses_it_and_logs_the_same_losses(monkeypatch, tmp_path, caplog):
+    from brewnet import cli
+
+    (tmp_path / "net.prototxt").write_text(logreg_h5(tmp_path))
+    (tmp_path / "solver.prototxt").write_text(
+        f'net: "{tmp_path}/net.prototxt" base_lr: 0.01 momentum: 0.9 lr_policy: "fixed" '
+        'max_iter: 1200 display: 300 solver_mode: CPU random_seed: 1 snapshot_after_train: false')
+    got = []
+    for switch in ("0", "auto"):
+        monkeypatch.setenv("BREWNET_STEPS_PER_CALL", switch)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="brewnet"):
+            assert cli.main(["train", "--solver", str(tmp_path / "solver.prototxt")]) == 0
+        got.append(([re.sub(r"\(.*iters\), ", "", r.getMessage()) for r in caplog.records
+                     if "loss = " in r.getMessage()], "TorchScript loop" in caplog.text))
+    assert got[0][0] == got[1][0] and len(got[0][0]) == 9     # 5 displays, 4 output lines
+    assert got[1][1] and not got[0][1]      # the thread re-planning callback removed itself
+
+
+@pytest.mark.parametrize("policy", ['lr_policy: "fixed"', 'lr_policy: "inv" gamma: 0.001 power: 0.75',
+                                    'lr_policy: "multistep" gamma: 0.5 stepvalue: 300 stepvalue: 301',
+                                    'lr_policy: "poly" power: 2'])
+def test_lr_policies_equal_single_steps_bitwise(monkeypatch, tmp_path, policy):
+    net = logreg_h5(tmp_path)
+    single, several = both(monkeypatch, lambda: make(net, extra=policy), [600, 250])
+    assert loops_ran(several)
+    assert_same(single, several)
+
+
+def test_a_read_that_fails_inside_the_loop_raises_at_its_iteration(monkeypatch, tmp_path):
+    from brewnet.data.hdf5 import HDF5Data
+    net = logreg_h5(tmp_path)
+    forward, got, calls = HDF5Data.forward, [], []
+
+    def failing(self, bottoms):
+        calls.append(1)
+        if len(calls) == 1000:
+            raise OSError("disk gone")
+        return forward(self, bottoms)
+    monkeypatch.setattr(HDF5Data, "forward", failing)
+    monkeypatch.setattr(HDF5Data, "take_batches", lambda self, most: None)    # a read a batch
+    for switch in ("0", "auto"):
+        monkeypatch.setenv("BREWNET_STEPS_PER_CALL", switch)
+        calls.clear()
+        s = make(net)
+        s.step(600)
+        with pytest.raises(OSError, match="disk gone"):
+            s.step(900)
+        got.append((s.iter, state(s), loops_ran(s)))
+    assert got[0][0] == got[1][0] == 999 and got[1][2] and not got[0][2]
+    for x, y in zip(got[0][1], got[1][1]):
+        np.testing.assert_array_equal(x, y)
