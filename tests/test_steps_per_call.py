@@ -1,4 +1,4 @@
-"""Several iterations per call (brewnet/execution/recorded_steps.py): the bits of single steps
+"""Several iterations per call (brewnet/execution/steps_per_call.py): the bits of single steps
 (loss, params, history, diffs, blobs, the smoothed loss and the log lines), its refusals, its
 fallbacks, and that ``solver.step`` uses it at default settings."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from brewnet.execution import recorded_steps
+from brewnet.execution import steps_per_call
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto import parse_text
 from brewnet.solvers import SOLVERS, LossNotFiniteError
@@ -141,14 +141,14 @@ def test_displays_tests_snapshots_and_log_lines_are_unchanged(monkeypatch, tmp_p
 def test_span_ends_before_each_observable_point(tmp_path):
     s = make(logreg_h5(tmp_path), extra="display: 100 test_interval: 60 snapshot: 45 snapshot_prefix: 'x'")
     s.iter = 10
-    assert recorded_steps.span(s, 10_000, 8) == 35            # the snapshot after iteration 44
+    assert steps_per_call.span(s, 10_000, 8) == 35            # the snapshot after iteration 44
     s.param.snapshot = 0
-    assert recorded_steps.span(s, 10_000, 8) == 50            # the test at 60
+    assert steps_per_call.span(s, 10_000, 8) == 50            # the test at 60
     s.param.test_interval = 0
-    assert recorded_steps.span(s, 10_000, 8) == 90            # the display at 100
-    assert recorded_steps.span(s, 30, 8) == 20                # the end of the call
+    assert steps_per_call.span(s, 10_000, 8) == 90            # the display at 100
+    assert steps_per_call.span(s, 30, 8) == 20                # the end of the call
     s.param.display = 0
-    assert recorded_steps.span(s, 10_000, recorded_steps.MAX_STAGED // 7) == 7   # memory
+    assert steps_per_call.span(s, 10_000, steps_per_call.MAX_STAGED // 7) == 7   # memory
 
 
 @pytest.mark.parametrize("what", ["callback", "layer hook", "dropout layer", "clipping"])
@@ -222,7 +222,7 @@ def test_a_loop_that_differs_keeps_single_steps_with_the_batches_read(monkeypatc
     single = make(net)
     single.step(700)
     monkeypatch.delenv("BREWNET_STEPS_PER_CALL")
-    monkeypatch.setattr(recorded_steps, "same_bits", lambda a, b: False)
+    monkeypatch.setattr(steps_per_call, "same_bits", lambda a, b: False)
     several = make(net)
     with caplog.at_level(logging.WARNING, logger="brewnet"):
         several.step(700)

@@ -4,8 +4,9 @@
 bits on any thread count), ``process`` (process-wide settings: device, TF32, the allocator),
 ``recording`` (a run's aten ops recorded as a torch.fx graph and replayed), ``recorded_step``,
 ``recorded_update`` and ``recorded_fused_step`` (a training step, the solver's update and K
-fused nets' step as recordings), ``passes`` (FX passes over those recordings), ``cuda_graph``
-(a recording captured as a CUDA graph), ``lean`` (repeated inference as one recording),
-``folding`` (BatchNorm/Scale folded into convolutions) and ``fast_path`` (the one guard every
-automatic switch runs behind). The map and the reasons: docs/internals.md.
+fused nets' step as recordings), ``steps_per_call`` (K iterations in one call), ``passes`` (FX
+passes over those recordings), ``cuda_graph`` (a recording captured as a CUDA graph), ``lean``
+(repeated inference as one recording), ``folding`` (BatchNorm/Scale folded into convolutions)
+and ``fast_path`` (the one guard every automatic switch runs behind). The map and the reasons:
+docs/internals.md.
 """

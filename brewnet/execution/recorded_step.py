@@ -187,7 +187,7 @@ class StepGraph:
         self.update = None
         self.updated_at, self.update_out = None, ()
         self.guard = FastPath("the recorded training step", getattr(net, "name", ""))
-        self.staged: list[list] = []       # batches read ahead (recorded_steps.py), taken first
+        self.staged: list[list] = []       # batches read ahead (steps_per_call.py), taken first
         self.staged_notes: list[list] = []  # their data layers' (layer, origin of the batch)
 
     def wants_update(self) -> bool:

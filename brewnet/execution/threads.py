@@ -126,7 +126,7 @@ def replan_after(solver, measure, iterations: int = 20) -> None:
     """Once ``iterations`` steps of ``solver`` have run, ``plan_beside`` again from
     ``measure(seconds)``: the cores its data threads really kept busy over those seconds (JPEG
     decoding needs a core, raw LMDB records do not). Behind the fast-path guard. The callback
-    then removes itself: a callback keeps a run to one iteration per call (recorded_steps.py)."""
+    then removes itself: a callback keeps a run to one iteration per call (steps_per_call.py)."""
     start: dict = {}
     guard = FastPath("re-planning the threads", solver.net.name)
 

@@ -18,7 +18,7 @@ import torch
 
 from ..blob import diff_viewed
 from ..data import cursors
-from ..execution import determinism, process, recorded_step, recorded_steps, recorded_update, threads
+from ..execution import determinism, process, recorded_step, recorded_update, steps_per_call, threads
 from ..net import Net
 from ..proto import caffe_pb2 as pb
 from . import detection_eval
@@ -243,7 +243,7 @@ class Solver:
     def _stepping(self, iters: int, several: bool = False):
         """``step`` as a generator that yields after each iteration (``brewnet.many`` runs
         several solvers' iterations in turn); ``several``: iterations between two observable
-        points may run as one call, yielding once (execution/recorded_steps.py)."""
+        points may run as one call, yielding once (execution/steps_per_call.py)."""
         start_iter, stop_iter = self.iter, self.iter + int(iters)
         self._losses, self.smoothed_loss = [], f32(0)
         try:
@@ -271,7 +271,7 @@ class Solver:
             for on_start, _ in tuple(self._callbacks):     # one may remove itself
                 on_start and on_start()
             display = p.display and self.iter % p.display == 0
-            done = recorded_steps.run(self, start_iter, stop_iter) if several and not display else 0
+            done = steps_per_call.run(self, start_iter, stop_iter) if several and not display else 0
             if not done:    # else the iterations to the next observable point, in one call
                 with self.threads:           # times the iteration for the thread choice
                     determinism.blas_on_one_thread()    # after the count is set: it resets MKL's
