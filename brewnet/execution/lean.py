@@ -3,13 +3,15 @@
 After ``AFTER`` whole ``net.forward()`` calls with the same input shapes, the net is recorded once
 per input shape as ``to_torch``'s folded graph, on NHWC inputs as the plain CPU path runs, and
 later whole forwards replay it. Pycaffe's semantics hold by a transparent fallback: intermediate
-blobs are marked stale and re-made by the plain path when first read; ``start``/``end``/``blobs=``,
-a net needing a backward, a live numpy view of an intermediate blob, other shapes or a refused
-trace take the plain path; the layers' own tensors are read, so net surgery is seen. Kernels are
-re-chosen by size, never by timing (``choose_kernels``): outputs equal the plain path's bit for
-bit where none is re-chosen, else within ``1e-5`` of their scale. On CUDA: also a CUDA graph
-(``cuda_graph.py``), kept if its first replay gives the same bits. ``BREWNET_LEAN=0`` off, ``=1``
-on CUDA too. Why, and the measurements: docs/internals.md, *Design notes by module*.
+blobs are marked stale and re-made by the plain path when first read; a ``backward()`` after a
+replay runs the plain forward again under autograd first (a net that may need one, force_backward
+or a loss, replays only after ``AFTER`` forwards without one); ``start``/``end``/``blobs=``, a live
+numpy view of an intermediate blob, other shapes or a refused trace take the plain path; a net
+with layers no graph holds is cut before them (``cut.py``); the layers' own tensors are read, so
+net surgery is seen. Kernels are re-chosen by size, never by timing (``choose_kernels``): outputs
+equal the plain path's bit for bit where none is re-chosen, else within ``1e-5`` of their scale.
+On CUDA: also a CUDA graph (``cuda_graph.py``), kept if its first replay gives the same bits.
+``BREWNET_LEAN=0`` off, ``=1`` on CUDA too. Why, and the measurements: docs/internals.md.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import time
 import torch
 
 from ..blob import nhwc
+from . import cut as _cut
 from . import engines
 from .cuda_graph import device_refusal
 from .engines import due, pick, rebuild
@@ -152,16 +155,18 @@ class LeanForward:
         self.captured, self._addresses = None, None  # CUDA: the graph captured, what it reads
         self._stale: list = []                     # intermediate blobs not written by the graph
         self.engine = None                         # the runner engine picked, when not eager
+        self.cut = None                            # where a net with no-graph layers is cut
         self._picked = False                       # engine picked for the current graph
         self.cached = None                         # the engine cache's entry for it (auto)
         self.spent = 0.0                           # seconds of whole forwards on these shapes
+        self.quiet = 0                             # whole forwards since the last backward()
+        self.replayed = False                      # the last whole forward was the graph's
         io = set(net.inputs) | set(net.outputs)
         self._middle = [b for n, b in net.blobs.items() if n not in io]
 
     def eligible(self) -> bool:
         net = self.net
         return (self.guard.off is None and env_switch("BREWNET_LEAN", "1", ("0", "1")) == "1" and net.inputs
-                and not net._needs_backward
                 and device_refusal(net.device, asked=os.environ.get("BREWNET_LEAN", "").strip() == "1") is None
                 and not any(b._viewed("data") for b in self._middle))
 
@@ -171,6 +176,9 @@ class LeanForward:
         if not self.eligible():
             return False
         net = self.net
+        self.quiet += 1
+        if net._needs_backward and self.quiet <= AFTER:
+            return False                     # a loop calling backward() keeps autograd's forward
         key = tuple(tuple(net.blobs[n].shape) for n in net.inputs)
         if key != self._key:
             self._key, self.calls, self.gm, self.spent = key, 0, None, 0.0
@@ -193,7 +201,7 @@ class LeanForward:
             self.picks += 1                # a one-off cost too: no sample for the thread timing
             self.engine = self.guard.attempt(pick, self, xs)
             self.engine = None if self.engine is FAILED else self.engine
-        outs = self.guard.attempt(self._engine_call, xs)
+        outs = self.guard.attempt(self._outputs, xs)
         if outs is FAILED:
             self.gm = self.captured = self.engine = None
             return False
@@ -207,7 +215,13 @@ class LeanForward:
         self._stale = list(self._middle)
         for b in self._stale:
             b._pending = self.settle
+        self.replayed, net._ran = True, {}   # (the last plain forward's autograd graph: freed)
         return True
+
+    def _outputs(self, xs) -> tuple:
+        """The net's outputs: the engine's, and a cut net's tail on them (execution/cut.py)."""
+        outs = self._engine_call(xs)
+        return outs if self.cut is None else self.cut.finish(self.net, outs, xs, self._cl)
 
     def _engine_call(self, xs) -> tuple:
         """The outputs from the engine picked (rebuilt when a weight changed), else the graph's."""
@@ -244,11 +258,21 @@ class LeanForward:
     def settle(self) -> None:
         """Bring the stale intermediate blobs up to date: the plain forward on the saved inputs
         (the inputs and outputs the user sees are left as the graph's run left them)."""
-        if not self._stale:
-            return
+        if self._stale:
+            self._plain(grad=False)
+
+    def before_backward(self) -> None:
+        """pycaffe's ``backward()`` after a forward the graph ran: the plain forward again on its
+        inputs, under autograd, so the backward gives the eager gradients; the next ``AFTER``
+        whole forwards stay plain (a forward-backward loop pays one extra forward in ``AFTER``)."""
+        self.quiet = 0
+        if self.replayed:
+            self._plain(grad=True)
+
+    def _plain(self, grad: bool) -> None:
         for b in self._stale:
             b._pending = None
-        self._stale = []
+        self._stale, self.replayed = [], self.replayed and not grad
         net = self.net
         blobs = [net.blobs[n] for n in net.inputs]
         now = [b._t for b in blobs]
@@ -256,7 +280,7 @@ class LeanForward:
         try:
             for b, x in zip(blobs, self._saved):
                 b._t = x
-            with torch.no_grad():
+            with torch.set_grad_enabled(grad):
                 net.forward_tensors()
         finally:
             for b, t in zip(blobs, now):
@@ -268,13 +292,16 @@ class LeanForward:
         """Forget the stale marks (a plain whole forward is about to rewrite every blob)."""
         for b in self._stale:
             b._pending = None
-        self._stale = []
+        self._stale, self.replayed = [], False
 
     def _build(self) -> None:
         net = self.net
         self.traces += 1
         self.captured, self.engine, self._picked, self.cached = None, None, False, None
         t0 = time.perf_counter()
+        self.cut = _cut.plan(net)
+        if self.cut is not None:
+            self.cut.constants(net, self._cl)
         self.gm, tracee = self._record()
         if net.device.type == "cpu":        # CPU kernel choices (oneDNN vs im2col)
             choose_kernels(self.gm, self._cl)
@@ -285,8 +312,9 @@ class LeanForward:
                       for i, end, attr, names in tracee.steps if attr is not None]
         unbox(self.gm)
         self._nhwc_w = {}
-        log.info("Net '%s': repeated inference runs as one graph of torch ops (traced in %.2g s)",
-                 net.name, time.perf_counter() - t0)
+        log.info("Net '%s': repeated inference runs as one graph of torch ops (traced in %.2g s)%s",
+                 net.name, time.perf_counter() - t0, "" if self.cut is None else
+                 f", up to {', '.join(self.cut.outputs)}; {len(self.cut.tail)} layers after them eager")
 
     def _record(self):
         """(graph, tracee): ``to_torch``'s folded module run once on this call's input shapes
@@ -298,7 +326,7 @@ class LeanForward:
 
         net = self.net
         with torch.no_grad():
-            tracee = _Tracee(net, fold=True)
+            tracee = _Tracee(net, fold=True, cut=self.cut)
             attrs = {id(t): name for name, t in [*tracee.named_parameters(remove_duplicate=False),
                                                  *tracee.named_buffers(remove_duplicate=False)]}
             xs = [torch.randn(net.shapes[n], device=net.device) for n in net.inputs]
@@ -308,7 +336,7 @@ class LeanForward:
             except RecordError as e:
                 log.debug("Net '%s': lean graph through torch.export (%s)", net.name, e)
                 ep, tracee, _ = traced_program(net, fold=True, dynamic_batch=False,
-                                               channels_last=self._cl)
+                                               channels_last=self._cl, cut=self.cut)
                 return _graph_module(ep, tracee), tracee
         for attr in tracee.layer_names:      # the layers' own modules: _bind rebinds their params
             setattr(gm, attr, getattr(tracee, attr))
