@@ -176,14 +176,14 @@ class LeanForward:
         if not self.eligible():
             return False
         net = self.net
-        self.quiet += 1
-        if net._needs_backward and self.quiet <= AFTER:
-            return False                     # a loop calling backward() keeps autograd's forward
         key = tuple(tuple(net.blobs[n].shape) for n in net.inputs)
         if key != self._key:
             self._key, self.calls, self.gm, self.spent = key, 0, None, 0.0
             self.engine, self._picked, self.cached = None, False, None   # picked per shape
         self.calls += 1
+        self.quiet += 1
+        if net._needs_backward and self.quiet <= AFTER:
+            return False                     # a loop calling backward() keeps autograd's forward
         if self.gm is None:
             if self.calls <= AFTER and getattr(net, "precision", "fp32") == "fp32":
                 return False                 # (bf16: the user's opt-in holds from call 1)
@@ -312,9 +312,13 @@ class LeanForward:
                       for i, end, attr, names in tracee.steps if attr is not None]
         unbox(self.gm)
         self._nhwc_w = {}
+        where = ""
+        if self.cut is not None:
+            first = net.layer_list[self.cut.tail[0]]
+            where = (f", cut before layer '{first.name}' (type {first.type}): its {len(self.cut.tail)} "
+                     "last layers run eagerly")
         log.info("Net '%s': repeated inference runs as one graph of torch ops (traced in %.2g s)%s",
-                 net.name, time.perf_counter() - t0, "" if self.cut is None else
-                 f", up to {', '.join(self.cut.outputs)}; {len(self.cut.tail)} layers after them eager")
+                 net.name, time.perf_counter() - t0, where)
 
     def _record(self):
         """(graph, tracee): ``to_torch``'s folded module run once on this call's input shapes
