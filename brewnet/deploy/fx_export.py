@@ -20,6 +20,7 @@ from ..errors import NetError
 from ..execution.fast_path import Declined
 from ..execution.folding import Folder
 from ..layers import functional as Fn
+from ..layers.base import traced
 from ..net import Net
 from ..proto import caffe_pb2 as pb
 
@@ -115,6 +116,10 @@ class _Tracee(torch.nn.Module):
             raise Declined(f"Net '{net.name}' has no Input layer: to_torch needs a deploy net")
 
     def forward(self, *inputs):
+        with traced():
+            return self._forward(inputs)
+
+    def _forward(self, inputs):
         net = self.net
         cur = dict(zip(net.inputs, inputs))
         for i, end, attr, pnames in self.steps:
