@@ -30,7 +30,7 @@ from .engines import due, pick, rebuild
 from .fast_path import FAILED, FastPath
 from .postops import fuse_postops
 from .process import env_switch
-from .recording import unbox
+from .recording import recorded_nchw, unbox
 
 log = logging.getLogger("brewnet")
 AFTER = 10      # whole forwards with the same input shapes before the net is traced
@@ -96,7 +96,8 @@ def choose_kernels(gm: torch.fx.GraphModule, channels_last: bool) -> int:
                 continue
             if 2 * out.numel() * weight[0].numel() >= SMALL_CONV_FLOPS:
                 continue
-            new = (small_conv, (x, w, b, list(stride), list(pad), channels_last))
+            # the layout the recorded convolution gave (an NCHW input gives NCHW)
+            new = (small_conv, (x, w, b, list(stride), list(pad), channels_last and not recorded_nchw(n)))
         elif n.target is _MKLDNN_LINEAR and n.args[3:4] == ("none",) and n.args[1].op == "get_attr":
             # the plain path's oneDNN inner product (2^18 weights or more, recorded): BLAS below
             # GRAPH_DNN_MIN_WEIGHT, as the exported graph had it
@@ -135,10 +136,11 @@ _CONVS = (aten.conv2d.default, aten.convolution.default, torch.convolution)   # 
 
 
 def conv_weights(gm: torch.fx.GraphModule) -> set[str]:
-    """The attributes the graph's oneDNN convolutions read as weights."""
+    """The attributes the graph's oneDNN convolutions read as weights (NHWC copies: not for a
+    convolution recorded on an NCHW input, whose output would then be NHWC)."""
     return {n.args[1].target for n in gm.graph.nodes
             if n.op == "call_function" and n.args and n.target in _CONVS
-            and n.args[1].op == "get_attr"}
+            and n.args[1].op == "get_attr" and not recorded_nchw(n)}
 
 
 class LeanForward:
