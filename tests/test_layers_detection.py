@@ -177,6 +177,35 @@ def test_nms_fast_threshold_ties_and_eta():
     assert B.nms_fast(torch.tensor([C, A, D, B2]), ties, 0.0, 0.45).tolist() == [0, 1]
 
 
+def greedy_nms(boxes, scores, score_threshold, nms_threshold, top_k):
+    """ApplyNMSFast as written: candidates by score (stable), the whole overlap matrix, keep."""
+    idx = np.flatnonzero(scores > np.float32(score_threshold))
+    idx = idx[np.argsort(-scores[idx], kind="stable")][:top_k if top_k > -1 else None]
+    overlap = B.iou(boxes[idx], boxes[idx])
+    keep = []
+    for i in range(len(idx)):
+        if all(overlap[k, i] <= np.float32(nms_threshold) for k in keep):
+            keep.append(i)
+    return idx[keep]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_nms_fast_in_blocks_keeps_what_the_whole_matrix_keeps(seed):
+    """nms_fast computes overlap rows ``NMS_BLOCK`` at a time, and sorts only the ``top_k``
+    best: the same kept boxes in the same order as the whole matrix, ties included."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(B.NMS_BLOCK * 3, 900))
+    centre = rng.random((k, 2)).astype(np.float32)
+    wh = (rng.random((k, 2)) * [0.05, 0.3, 1.0][seed % 3]).astype(np.float32)
+    boxes = np.concatenate([centre - wh / 2, centre + wh / 2], 1).astype(np.float32)
+    boxes[rng.integers(0, k, 20)] = boxes[0]                          # identical boxes
+    scores = np.round(rng.random(k), 1 + seed % 2).astype(np.float32)  # many tied scores
+    for thr in (0.0, 0.3, 0.45, 0.7, 1.0):
+        for top_k in (-1, 100, 400):
+            want = greedy_nms(boxes, scores, 0.01, thr, top_k)
+            np.testing.assert_array_equal(B.nms_fast(boxes, scores, 0.01, thr, top_k=top_k), want)
+
+
 # -- DetectionOutput --------------------------------------------------------------------------
 def detout_text(body, n_classes=3):
     return ('name: "d" type: "DetectionOutput" bottom: "loc" bottom: "conf" bottom: "prior" top: "o" '

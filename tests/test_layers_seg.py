@@ -128,6 +128,23 @@ def test_segnet_upsample_repeated_index_last_wins_and_backward_gathers():
         layer.forward([x, torch.tensor([[[[4.0, 0.0, 1.0]]]])])
 
 
+def test_segnet_upsample_runs_in_the_lean_graph():
+    """The mask's range check reads values into Python: it is left out of the traced graph
+    (ENet ran eager for it; a bad index would fail in the scatter there, and the graph's guard
+    run the call eagerly, which names it): Pooling's mask in the graph, the eager outputs."""
+    from brewnet.execution import lean
+    from brewnet.pycaffe import Net
+
+    net, eager = Net(SEGNET, caffe.TEST), Net(SEGNET, caffe.TEST, engine="eager")
+    x = np.random.default_rng(4).standard_normal((1, 2, 5, 6)).astype(F32)
+    for _ in range(lean.AFTER + 2):
+        got = net.forward(x=x)["u"].copy()
+    assert net._lean.gm is not None and net._lean.guard.off is None
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("BREWNET_LEAN", "0")
+        np.testing.assert_array_equal(got, eager.forward(x=x)["u"])
+
+
 def test_segnet_upsample_gradient_check():
     layer, _ = make_layer('type: "Upsample" top: "u" upsample_param { scale: 2 }', [(2, 3, 2, 3)] * 2)
     mask = torch.stack([torch.randperm(24)[:6] for _ in range(6)]).reshape(2, 3, 2, 3).double()

@@ -203,12 +203,45 @@ def test_nhwc_weights_are_bit_identical_and_follow_surgery(lean_soon, monkeypatc
     np.testing.assert_array_equal(got, plain_forward(net, x, monkeypatch)["pool"])
 
 
-def test_nets_that_need_backward_stay_plain(lean_soon):
-    net = brewnet.Net(parse_text(DEPLOY.replace('type: "Softmax"', 'type: "Softmax" loss_weight: 1'),
-                                 pb.NetParameter()), brewnet.TEST)
-    for _ in range(3):
-        net.forward()
-    assert net._lean.gm is None
+def backward_net(text: str):
+    brewnet.set_random_seed(6)
+    return brewnet.Net(parse_text(text, pb.NetParameter()), brewnet.TEST)
+
+
+@pytest.mark.parametrize("how", ["force_backward", "loss_weight"])
+def test_nets_that_need_backward_run_forwards_on_the_graph_and_backward_as_eager(how, lean_soon, monkeypatch):
+    """A net that may be asked for a backward (force_backward, saliency's deploy nets; a loss)
+    runs its forward-only calls on the graph; a backward() after one of them gives the eager
+    net's gradients bit for bit (the plain forward runs again under autograd), and the next
+    ``AFTER`` forwards stay plain (a forward-backward loop)."""
+    text = ("force_backward: true\n" + DEPLOY if how == "force_backward"
+            else DEPLOY.replace('type: "Softmax"', 'type: "Softmax" loss_weight: 1'))
+    net, eager = backward_net(text), backward_net(text)
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal((2, 3, 10, 10)).astype(np.float32) for _ in range(4)]
+    top = rng.standard_normal((2, 6)).astype(np.float32)
+    from brewnet import lean
+
+    for i, x in enumerate(xs):
+        got = net.forward(data=x)["prob"].copy()
+        assert net._lean.replayed == (i >= lean.AFTER), i      # at the same call as any net
+    with monkeypatch.context() as m:
+        m.setenv("BREWNET_LEAN", "0")
+        want = eager.forward(data=xs[-1])["prob"].copy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        for n in (net, eager):
+            n.blobs["data"].data[...] = 0           # backward reads the forward's inputs
+            n.blobs["prob"].diff[...] = top
+        ref = eager.backward()["data"].copy()
+    diff = net.backward()["data"].copy()
+    np.testing.assert_array_equal(diff, ref)
+    np.testing.assert_array_equal(net.blobs["prob"].data, got)    # the graph's outputs stay
+    for name in ("conv1", "ip1"):
+        for a, b in zip(net.params[name], eager.params[name]):
+            np.testing.assert_array_equal(a.diff, b.diff)
+    assert not net._lean.replayed
+    net.forward(data=xs[0])                          # after a backward: plain again
+    assert not net._lean.replayed
 
 
 LEAN_RTOL = 1e-5      # brewnet/lean.py: other kernels sum in another order (float32 rounding)

@@ -20,6 +20,7 @@ from ..errors import NetError
 from ..execution.fast_path import Declined
 from ..execution.folding import Folder
 from ..layers import functional as Fn
+from ..layers.base import traced
 from ..net import Net
 from ..proto import caffe_pb2 as pb
 
@@ -59,16 +60,19 @@ class _Tracee(torch.nn.Module):
     """What gets traced: the layers in prototxt order, reading their blobs from this module's
     parameters (export swaps those for fake tensors while tracing)."""
 
-    def __init__(self, net: Net, fold: bool):
+    def __init__(self, net: Net, fold: bool, cut=None):
         super().__init__()
         self.net, self.steps = net, []
+        # ``cut`` (execution/cut.py): only its trunk, returning the blobs the rest reads
+        self.outputs = list(cut.outputs if cut is not None else net.outputs)
+        keep = set(cut.trunk) if cut is not None else None
         self.layer_names: dict[str, str] = {}      # module attribute -> Caffe layer name
         folder = Folder(net) if fold else None
         chains = folder.chains if folder else {}
         taken, shared = set(), {}
         skip_until = -1
         for i, layer in enumerate(net.layer_list):
-            if i <= skip_until or layer.type == "Input":
+            if i <= skip_until or layer.type == "Input" or (keep is not None and i not in keep):
                 continue
             if layer.type in NO_GRAPH:
                 raise Declined(f"Layer '{layer.name}' (type {layer.type}) cannot be part of a "
@@ -112,6 +116,10 @@ class _Tracee(torch.nn.Module):
             raise Declined(f"Net '{net.name}' has no Input layer: to_torch needs a deploy net")
 
     def forward(self, *inputs):
+        with traced():
+            return self._forward(inputs)
+
+    def _forward(self, inputs):
         net = self.net
         cur = dict(zip(net.inputs, inputs))
         for i, end, attr, pnames in self.steps:
@@ -135,7 +143,7 @@ class _Tracee(torch.nn.Module):
                                f"a graph: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
             for name, t in zip(net.top_lists[i], tops):
                 cur[name] = t
-        return tuple(cur[o] for o in net.outputs)
+        return tuple(cur[o] for o in self.outputs)
 
 
 def _example_inputs(net: Net, channels_last: bool = False) -> list[torch.Tensor]:
@@ -153,13 +161,13 @@ def _example_inputs(net: Net, channels_last: bool = False) -> list[torch.Tensor]
 
 
 def traced_program(net: Net, fold: bool = False, dynamic_batch: bool = True,
-                   channels_last: bool = False):
+                   channels_last: bool = False, cut=None):
     """(ExportedProgram, tracee, whether the batch is dynamic) of ``net``'s TEST forward;
     ``channels_last``: traced on NHWC inputs, as the CPU path runs (layers that branch on the
-    layout take the branch that path takes)."""
+    layout take the branch that path takes); ``cut``: its trunk only (execution/cut.py)."""
     from ..blob import nhwc
 
-    tracee = _Tracee(net, fold)
+    tracee = _Tracee(net, fold, cut)
     xs = _example_inputs(net, channels_last)
     if dynamic_batch:
         batch = torch.export.Dim("batch", min=1)
@@ -205,21 +213,22 @@ def _graph_module(ep, tracee: _Tracee) -> torch.fx.GraphModule:
     out.args = (vals[0] if len(vals) == 1 else tuple(vals),)
     g.eliminate_dead_code()
     gm.recompile()
-    gm.input_names, gm.output_names = list(tracee.net.inputs), list(tracee.net.outputs)
+    gm.input_names, gm.output_names = list(tracee.net.inputs), list(tracee.outputs)
     gm.input_shapes = [tuple(tracee.net.shapes[n]) for n in tracee.net.inputs]
     gm.layer_names, gm.net_name = dict(tracee.layer_names), tracee.net.name
     return gm
 
 
 def to_torch(prototxt, weights=None, phase=pb.TEST, fold: bool = False,
-             dynamic_batch: bool = True) -> torch.fx.GraphModule:
+             dynamic_batch: bool = True, cut=None) -> torch.fx.GraphModule:
     """A Caffe net as a ``torch.fx.GraphModule`` of plain torch ops (see the module docstring).
 
     ``prototxt``: a path, prototxt text, a NetParameter or a core ``brewnet.net.Net`` (its
     current weights are copied). ``weights``: a ``.caffemodel``/``.h5`` (None: the fillers').
     ``fold``: Convolution -> BatchNorm -> Scale chains become one convolution. Takes the net's
     inputs positionally (``gm.input_names``); returns the one output, or a tuple in
-    ``gm.output_names`` order (Caffe's: sorted by name).
+    ``gm.output_names`` order (Caffe's: sorted by name). ``cut`` (brewnet/execution/cut.py):
+    the trunk of a net cut before its layers with no graph form, returning ``cut.outputs``.
     """
     net = prototxt if isinstance(prototxt, Net) else Net(prototxt, phase, weights=weights)
     if isinstance(prototxt, Net) and weights:
@@ -228,7 +237,7 @@ def to_torch(prototxt, weights=None, phase=pb.TEST, fold: bool = False,
         raise NetError(f"to_torch traces on the CPU; build Net '{net.name}' there and move the "
                        "module with .to(device)")
     with torch.no_grad():
-        ep, tracee, dynamic = traced_program(net, fold, dynamic_batch)
+        ep, tracee, dynamic = traced_program(net, fold, dynamic_batch, cut=cut)
     gm = _graph_module(ep, tracee)
     gm.dynamic_batch = dynamic
     return gm

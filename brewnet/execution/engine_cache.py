@@ -144,8 +144,11 @@ def write_atomic(path: Path, data: bytes) -> None:
         log.warning("engine cache: cannot write %s (%s)", path, e)
 
 
-def onnx_path(net, input_shapes, opset: int) -> Path:
+def onnx_path(net, input_shapes, opset: int, outputs: list[str] | None = None) -> Path:
+    """The file of ``net``'s ONNX form (``outputs``: a cut net's trunk, execution/cut.py)."""
     key = {"net": structure(net), "weights": weights_digest(net), "inputs": [list(s) for s in input_shapes],
            "opset": opset, "versions": versions()}
+    if outputs is not None:
+        key["outputs"] = list(outputs)
     name = re.sub(r"\W", "_", net.name or "net")
     return cache_dir() / "onnx" / f"{name}-{_digest(key)}.onnx"

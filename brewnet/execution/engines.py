@@ -114,13 +114,14 @@ class OnnxRuntimeEngine:
     name = "onnxruntime"
     fresh = True                      # session.run returns new arrays each call
 
-    def __init__(self, net, threads: int, one_thread: bool = False):
+    def __init__(self, net, threads: int, cut=None, one_thread: bool = False):
         ort = need_onnxruntime()
         if one_thread:
             self.name, threads = ONE_THREAD, 1
-        self.net, self.state = net, weights_state(net)
+        self.net, self.state, self.cut = net, weights_state(net), cut
         shapes = [tuple(net.shapes[n]) for n in net.inputs]
-        path = engine_cache.onnx_path(net, shapes, OPSET)
+        self.outputs = list(cut.outputs if cut is not None else net.outputs)
+        path = engine_cache.onnx_path(net, shapes, OPSET, self.outputs if cut is not None else None)
         if not path.exists():
             self._export(path)
         opts = session_options(ort, threads, fixed=one_thread)
@@ -131,13 +132,12 @@ class OnnxRuntimeEngine:
             self._export(path)
             self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         self.inputs = [i.name for i in self.session.get_inputs()]
-        self.outputs = list(net.outputs)
 
     def _export(self, path) -> None:
         from ..deploy import export_onnx, to_torch
 
         t0 = time.perf_counter()
-        gm = to_torch(self.net, fold=True, dynamic_batch=False)
+        gm = to_torch(self.net, fold=True, dynamic_batch=False, cut=self.cut)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         path.parent.mkdir(parents=True, exist_ok=True)
         with quiet_exporter():
@@ -166,12 +166,11 @@ class CompiledEngine:
 
     name = "compiled"
 
-    def __init__(self, net, threads: int):
-
+    def __init__(self, net, threads: int, cut=None):
         from ..deploy import to_torch
 
         self.net, self.state = net, weights_state(net)
-        gm = to_torch(net, fold=True, dynamic_batch=False).eval()
+        gm = to_torch(net, fold=True, dynamic_batch=False, cut=cut).eval()
         t0 = time.perf_counter()
         self.fn = compiled(gm, [torch.randn(net.shapes[n]) for n in net.inputs], dynamic=False)
         log.info("Net '%s': compiled by torch.compile in %.1f s", net.name, time.perf_counter() - t0)
@@ -189,23 +188,30 @@ class OpenCVEngine:
     name = "opencv"
     fresh = True
 
-    def __init__(self, net, threads: int):
+    def __init__(self, net, threads: int, cut=None):
         import tempfile
 
         import cv2
         from google.protobuf import text_format
 
         self.net, self.state = net, weights_state(net)
+        param, keep = net.param, range(len(net.layer_list))
+        if cut is not None:          # the trunk's layers only (the caffemodel's others are unread)
+            keep = [i for i, layer in enumerate(net.layer_list) if layer.type == "Input" or i in set(cut.trunk)]
+            param = type(net.param)()
+            param.CopyFrom(net.param)
+            del param.layer[:]
+            param.layer.extend(net.param.layer[i] for i in keep)
         with tempfile.TemporaryDirectory(prefix="brewnet-opencv-") as d:
             proto, model = os.path.join(d, "net.prototxt"), os.path.join(d, "net.caffemodel")
             with open(proto, "w", encoding="utf-8") as f:
-                f.write(text_format.MessageToString(net.param))
+                f.write(text_format.MessageToString(param))
             net.save(model)
             self.cv = cv2.dnn.readNetFromCaffe(proto, model)
         cv2.setNumThreads(threads)
         # OpenCV names outputs by layer: the last layer writing each output blob
-        producer = {t: layer.name for layer, tops in zip(net.layer_list, net.top_lists) for t in tops}
-        self.layers = [producer[n] for n in net.outputs]
+        producer = {t: net.layer_list[i].name for i in keep for t in net.top_lists[i]}
+        self.layers = [producer[n] for n in (cut.outputs if cut is not None else net.outputs)]
         self.inputs = list(net.inputs)
 
     def __call__(self, xs):
@@ -223,11 +229,11 @@ class Bf16Engine:
     name = "bf16"
     fresh = True                      # .float() makes new tensors
 
-    def __init__(self, net, threads: int):
+    def __init__(self, net, threads: int, cut=None):
         from ..deploy import to_torch
 
         self.net, self.state = net, weights_state(net)
-        gm = to_torch(net, fold=True, dynamic_batch=False).eval().to(torch.bfloat16)
+        gm = to_torch(net, fold=True, dynamic_batch=False, cut=cut).eval().to(torch.bfloat16)
         self.gm = gm.to(memory_format=torch.channels_last)
 
     def __call__(self, xs):
@@ -249,7 +255,7 @@ def bf16_refusal() -> str | None:
 ONE_THREAD = "onnxruntime-1thread"
 BUILDERS = {"onnxruntime": OnnxRuntimeEngine, "opencv": OpenCVEngine, "compiled": CompiledEngine,
             "bf16": Bf16Engine,
-            ONE_THREAD: lambda net, threads: OnnxRuntimeEngine(net, threads, one_thread=True)}
+            ONE_THREAD: lambda net, threads, cut=None: OnnxRuntimeEngine(net, threads, cut, one_thread=True)}
 
 
 def candidates(asked: str) -> list[str]:
@@ -310,9 +316,10 @@ def measure(runners: dict, xs, budget_s: float = MEASURE_S) -> dict[str, float]:
     return {k: min(v) for k, v in times.items()}
 
 
-def _build(name: str, net, threads: int, xs, want):
-    """Engine ``name`` for ``net``, checked against the eager outputs ``want`` on ``xs``."""
-    runner = BUILDERS[name](net, threads)
+def _build(name: str, net, threads: int, xs, want, cut=None):
+    """Engine ``name`` for ``net`` (its trunk: ``cut``, execution/cut.py), checked against the
+    eager outputs ``want`` on ``xs``."""
+    runner = BUILDERS[name](net, threads, cut=cut)
     bad = within(runner(xs), want, torch.bfloat16 if name == "bf16" else torch.float32)
     if bad is not None:
         raise NetError(f"its outputs differ from the eager net's: {bad}")
@@ -375,7 +382,7 @@ def pick(lean, xs):
         if name == "eager":
             continue
         try:
-            runners[name] = _build(name, net, threads, xs, want)
+            runners[name] = _build(name, net, threads, xs, want, lean.cut)
         except Exception as e:   # noqa: BLE001 - an engine that cannot take the net is skipped
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             if asked == "auto":
@@ -425,7 +432,7 @@ def rebuild(lean, runner, xs):
     with torch.no_grad():
         want = lean._bound_call(xs)
     try:
-        return _build(runner.name, lean.net, cores(), xs, want)
+        return _build(runner.name, lean.net, cores(), xs, want, lean.cut)
     except Exception as e:   # noqa: BLE001 - the eager graph answers instead
         log.warning("Net '%s': engine %s cannot run the changed weights (%s: %s); the net runs on "
                     "the eager engine", lean.net.name, runner.name, type(e).__name__, str(e)[:300])

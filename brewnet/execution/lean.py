@@ -3,13 +3,15 @@
 After ``AFTER`` whole ``net.forward()`` calls with the same input shapes, the net is recorded once
 per input shape as ``to_torch``'s folded graph, on NHWC inputs as the plain CPU path runs, and
 later whole forwards replay it. Pycaffe's semantics hold by a transparent fallback: intermediate
-blobs are marked stale and re-made by the plain path when first read; ``start``/``end``/``blobs=``,
-a net needing a backward, a live numpy view of an intermediate blob, other shapes or a refused
-trace take the plain path; the layers' own tensors are read, so net surgery is seen. Kernels are
-re-chosen by size, never by timing (``choose_kernels``): outputs equal the plain path's bit for
-bit where none is re-chosen, else within ``1e-5`` of their scale. On CUDA: also a CUDA graph
-(``cuda_graph.py``), kept if its first replay gives the same bits. ``BREWNET_LEAN=0`` off, ``=1``
-on CUDA too. Why, and the measurements: docs/internals.md, *Design notes by module*.
+blobs are marked stale and re-made by the plain path when first read; a ``backward()`` after a
+replay runs the plain forward again under autograd first (a net that may need one, force_backward
+or a loss, replays only after ``AFTER`` forwards without one); ``start``/``end``/``blobs=``, a live
+numpy view of an intermediate blob, other shapes or a refused trace take the plain path; a net
+with layers no graph holds is cut before them (``cut.py``); the layers' own tensors are read, so
+net surgery is seen. Kernels are re-chosen by size, never by timing (``choose_kernels``): outputs
+equal the plain path's bit for bit where none is re-chosen, else within ``1e-5`` of their scale.
+On CUDA: also a CUDA graph (``cuda_graph.py``), kept if its first replay gives the same bits.
+``BREWNET_LEAN=0`` off, ``=1`` on CUDA too. Why, and the measurements: docs/internals.md.
 """
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ import time
 import torch
 
 from ..blob import host_copy, nhwc
+from . import cut as _cut
 from . import engines
 from .cuda_graph import device_refusal
 from .engines import due, pick, rebuild
 from .fast_path import FAILED, FastPath
 from .postops import fuse_postops
 from .process import env_switch
-from .recording import unbox
+from .recording import recorded_nchw, unbox
 
 log = logging.getLogger("brewnet")
 AFTER = 10      # whole forwards with the same input shapes before the net is traced
@@ -35,7 +38,7 @@ SHAPES = 8      # input shapes whose graph and engine are kept when the shapes c
                 # detector's image pyramid, FCN on a few image sizes: each traced once)
 # what is kept per input shape, and its value before any call on that shape
 _PER_SHAPE = {"calls": 0, "gm": None, "steps": list, "spent": 0.0, "engine": None, "_picked": False,
-              "cached": None, "captured": None, "_addresses": None, "_nhwc_w": dict}
+              "cached": None, "captured": None, "_addresses": None, "_nhwc_w": dict, "cut": None}
 SMALL_CONV_FLOPS = 4e6     # convolutions below this (whole batch): torch's own im2col + GEMM
 # inner products with this many weights or more: oneDNN's (the plain path's threshold,
 # functional.DNN_MIN_WEIGHT, is 2^18: it also counts the backward; at inference LeNet's ip1,
@@ -98,7 +101,8 @@ def choose_kernels(gm: torch.fx.GraphModule, channels_last: bool) -> int:
                 continue
             if 2 * out.numel() * weight[0].numel() >= SMALL_CONV_FLOPS:
                 continue
-            new = (small_conv, (x, w, b, list(stride), list(pad), channels_last))
+            # the layout the recorded convolution gave (an NCHW input gives NCHW)
+            new = (small_conv, (x, w, b, list(stride), list(pad), channels_last and not recorded_nchw(n)))
         elif n.target is _MKLDNN_LINEAR and n.args[3:4] == ("none",) and n.args[1].op == "get_attr":
             # the plain path's oneDNN inner product (2^18 weights or more, recorded): BLAS below
             # GRAPH_DNN_MIN_WEIGHT, as the exported graph had it
@@ -137,10 +141,11 @@ _CONVS = (aten.conv2d.default, aten.convolution.default, torch.convolution)   # 
 
 
 def conv_weights(gm: torch.fx.GraphModule) -> set[str]:
-    """The attributes the graph's oneDNN convolutions read as weights."""
+    """The attributes the graph's oneDNN convolutions read as weights (NHWC copies: not for a
+    convolution recorded on an NCHW input, whose output would then be NHWC)."""
     return {n.args[1].target for n in gm.graph.nodes
             if n.op == "call_function" and n.args and n.target in _CONVS
-            and n.args[1].op == "get_attr"}
+            and n.args[1].op == "get_attr" and not recorded_nchw(n)}
 
 
 class LeanForward:
@@ -157,18 +162,20 @@ class LeanForward:
         self.captured, self._addresses = None, None  # CUDA: the graph captured, what it reads
         self._stale: list = []                     # intermediate blobs not written by the graph
         self.engine = None                         # the runner engine picked, when not eager
+        self.cut = None                            # where a net with no-graph layers is cut
         self._picked = False                       # engine picked for the current graph
         self.cached = None                         # the engine cache's entry for it (auto)
         self.spent = 0.0                           # seconds of whole forwards on these shapes
         self.running = False                       # inside run (its reshapes are not the user's)
         self._shapes: dict = {}                    # other input shapes: their _PER_SHAPE state
+        self.quiet = 0                             # whole forwards since the last backward()
+        self.replayed = False                      # the last whole forward was the graph's
         io = set(net.inputs) | set(net.outputs)
         self._middle = [b for n, b in net.blobs.items() if n not in io]
 
     def eligible(self) -> bool:
         net = self.net
         return (self.guard.off is None and env_switch("BREWNET_LEAN", "1", ("0", "1")) == "1" and net.inputs
-                and not net._needs_backward
                 and device_refusal(net.device, asked=os.environ.get("BREWNET_LEAN", "").strip() == "1") is None
                 and not any(b._viewed("data") for b in self._middle))
 
@@ -189,6 +196,9 @@ class LeanForward:
         if key != self._key:
             self._switch(key)
         self.calls += 1
+        self.quiet += 1
+        if net._needs_backward and self.quiet <= AFTER:
+            return False                     # a loop calling backward() keeps autograd's forward
         if self.gm is None and self.engine is None:
             if self.calls <= AFTER and getattr(net, "precision", "fp32") == "fp32":
                 return False                 # (bf16: the user's opt-in holds from call 1)
@@ -206,7 +216,7 @@ class LeanForward:
             self.picks += 1                # a one-off cost too: no sample for the thread timing
             self.engine = self.guard.attempt(pick, self, xs)
             self.engine = None if self.engine is FAILED else self.engine
-        outs = self.guard.attempt(self._engine_call, xs)
+        outs = self.guard.attempt(self._outputs, xs)
         if outs is FAILED:
             self.gm = self.captured = self.engine = None
             return False
@@ -221,6 +231,7 @@ class LeanForward:
         self._stale = list(self._middle)
         for b in self._stale:
             b._pending = self.settle
+        self.replayed, net._ran = True, {}   # (the last plain forward's autograd graph: freed)
         return True
 
     def _switch(self, key) -> None:
@@ -234,6 +245,11 @@ class LeanForward:
         for a, v in _PER_SHAPE.items():
             setattr(self, a, state[a] if state is not None else v() if callable(v) else v)
         self._key = key
+
+    def _outputs(self, xs) -> tuple:
+        """The net's outputs: the engine's, and a cut net's tail on them (execution/cut.py)."""
+        outs = self._engine_call(xs)
+        return outs if self.cut is None else self.cut.finish(self.net, outs, xs, self._cl)
 
     def _engine_call(self, xs) -> tuple:
         """The outputs from the engine picked (rebuilt when a weight changed), else the graph's."""
@@ -274,11 +290,21 @@ class LeanForward:
     def settle(self) -> None:
         """Bring the stale intermediate blobs up to date: the plain forward on the saved inputs
         (the inputs and outputs the user sees are left as the graph's run left them)."""
-        if not self._stale:
-            return
+        if self._stale:
+            self._plain(grad=False)
+
+    def before_backward(self) -> None:
+        """pycaffe's ``backward()`` after a forward the graph ran: the plain forward again on its
+        inputs, under autograd, so the backward gives the eager gradients; the next ``AFTER``
+        whole forwards stay plain (a forward-backward loop pays one extra forward in ``AFTER``)."""
+        self.quiet = 0
+        if self.replayed:
+            self._plain(grad=True)
+
+    def _plain(self, grad: bool) -> None:
         for b in self._stale:
             b._pending = None
-        self._stale = []
+        self._stale, self.replayed = [], self.replayed and not grad
         net = self.net
         blobs = [net.blobs[n] for n in net.inputs]
         now = [b._t for b in blobs]
@@ -286,7 +312,7 @@ class LeanForward:
         try:
             for b, x in zip(blobs, self._saved):
                 b._t = x
-            with torch.no_grad():
+            with torch.set_grad_enabled(grad):
                 net.forward_tensors()
         finally:
             for b, t in zip(blobs, now):
@@ -301,8 +327,8 @@ class LeanForward:
         net = self.net
         try:                        # (a bad switch is the user's error at the forward, as ever)
             if not self.eligible() or (self.engine is not None and self._key == tuple(
-                    tuple(net.blobs[n].shape) for n in net.inputs)):
-                return
+                    tuple(net.blobs[n].shape) for n in net.inputs)) or _cut.plan(net) is not None:
+                return                      # (a cut net's engine runs its trunk: the usual path)
             ready = engines.ready(self)
         except Exception as e:      # noqa: BLE001 - an optimisation: the usual path still runs
             log.debug("Net '%s': no engine ready at construction: %s: %s", self.net.name,
@@ -331,13 +357,16 @@ class LeanForward:
         """Forget the stale marks (a plain whole forward is about to rewrite every blob)."""
         for b in self._stale:
             b._pending = None
-        self._stale = []
+        self._stale, self.replayed = [], False
 
     def _build(self) -> None:
         net = self.net
         self.traces += 1
         self.captured, self.engine, self._picked, self.cached = None, None, False, None
         t0 = time.perf_counter()
+        self.cut = _cut.plan(net)
+        if self.cut is not None:
+            self.cut.constants(net, self._cl)
         self.gm, tracee = self._record()
         if net.device.type == "cpu":        # CPU kernel choices (oneDNN vs im2col)
             choose_kernels(self.gm, self._cl)
@@ -348,8 +377,13 @@ class LeanForward:
                       for i, end, attr, names in tracee.steps if attr is not None]
         unbox(self.gm)
         self._nhwc_w = {}
-        log.info("Net '%s': repeated inference runs as one graph of torch ops (traced in %.2g s)",
-                 net.name, time.perf_counter() - t0)
+        where = ""
+        if self.cut is not None:
+            first = net.layer_list[self.cut.tail[0]]
+            where = (f", cut before layer '{first.name}' (type {first.type}): its {len(self.cut.tail)} "
+                     "last layers run eagerly")
+        log.info("Net '%s': repeated inference runs as one graph of torch ops (traced in %.2g s)%s",
+                 net.name, time.perf_counter() - t0, where)
 
     def _record(self):
         """(graph, tracee): ``to_torch``'s folded module run once on this call's input shapes
@@ -361,7 +395,7 @@ class LeanForward:
 
         net = self.net
         with torch.no_grad():
-            tracee = _Tracee(net, fold=True)
+            tracee = _Tracee(net, fold=True, cut=self.cut)
             attrs = {id(t): name for name, t in [*tracee.named_parameters(remove_duplicate=False),
                                                  *tracee.named_buffers(remove_duplicate=False)]}
             xs = [torch.randn(net.shapes[n], device=net.device) for n in net.inputs]
@@ -371,7 +405,7 @@ class LeanForward:
             except RecordError as e:
                 log.debug("Net '%s': lean graph through torch.export (%s)", net.name, e)
                 ep, tracee, _ = traced_program(net, fold=True, dynamic_batch=False,
-                                               channels_last=self._cl)
+                                               channels_last=self._cl, cut=self.cut)
                 return _graph_module(ep, tracee), tracee
         for attr in tracee.layer_names:      # the layers' own modules: _bind rebinds their params
             setattr(gm, attr, getattr(tracee, attr))

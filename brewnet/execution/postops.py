@@ -17,6 +17,7 @@ import operator
 import torch
 
 from .. import blob as _blob
+from .recording import recorded_nchw
 
 aten = torch.ops.aten
 _MK = getattr(torch.ops, "mkldnn", None)
@@ -143,6 +144,8 @@ def fuse_postops(gm: torch.fx.GraphModule, channels_last: bool = True, *, unary:
     def packable(conv) -> bool:
         # an input of unknown size, or a pack refused (it raises), stays plain
         x, w, b, stride, pad, dil, groups = _conv_args(gm, conv)
+        if channels_last and recorded_nchw(conv):   # an NCHW input: NHWC weights change its layout
+            return False
         weight = operator.attrgetter(w.target)(gm)
         size = _input_size(x, conv.meta["val"], weight, stride, pad, dil, groups)
         if size is None or len(size) != 4:

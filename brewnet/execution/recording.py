@@ -36,6 +36,22 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr() if t.numel() else 0
 
 
+def nchw_only(t: torch.Tensor) -> bool:
+    """Contiguous in NCHW memory and not in NHWC (where both hold, the layouts agree)."""
+    return (t.dim() == 4 and t.is_contiguous()
+            and not t.is_contiguous(memory_format=torch.channels_last))
+
+
+def recorded_nchw(node) -> bool:
+    """Whether ``node``'s value was NCHW-only when recorded (an NHWC net's convolution on an
+    NCHW input: an NHWC weight would make its output NHWC, and a view after it may need NCHW);
+    export's fake values keep their strides."""
+    if "nchw" in node.meta:
+        return node.meta["nchw"]
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and nchw_only(val)
+
+
 class _Recorder(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -119,6 +135,7 @@ class _Recorder(TorchDispatchMode):
         node = self.graph.call_function(func, fargs, fkwargs)
         if isinstance(out, torch.Tensor):
             node.meta["val"] = torch.empty(out.shape, dtype=out.dtype, device="meta")
+            node.meta["nchw"] = nchw_only(out)     # (lean.choose_kernels keeps the layout)
             self._bind(out, node)
         elif isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) or o is None
                                                    for o in out):

@@ -13,6 +13,8 @@ a plugin (user code, installed packages): ``@brewnet.register_layer("Type")``, s
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import ClassVar, Sequence
 
 import torch
@@ -20,6 +22,23 @@ import torch
 from .param_str import parse_params
 
 Shape = tuple[int, ...]
+_TRACING = contextvars.ContextVar("brewnet_tracing", default=False)
+
+
+def tracing() -> bool:
+    """Whether the layers run to be traced into a graph (``deploy.fx_export``), not computed: a
+    check that reads values into Python (an index range) is left to the eager path there."""
+    return _TRACING.get()
+
+
+@contextlib.contextmanager
+def traced():
+    """The layers' forwards inside run to be traced (``tracing()`` is True)."""
+    token = _TRACING.set(True)
+    try:
+        yield
+    finally:
+        _TRACING.reset(token)
 
 
 class LayerError(ValueError):

@@ -11,6 +11,7 @@ import torch
 
 CORNER, CENTER_SIZE, CORNER_SIZE = 1, 2, 3     # PriorBoxParameter.CodeType
 BIPARTITE, PER_PREDICTION = 0, 1               # MultiBoxLossParameter.MatchType
+NMS_BLOCK = 32          # nms_fast: overlap rows computed at a time
 
 
 class BoxError(ValueError):
@@ -30,17 +31,33 @@ def iou(a: np.ndarray, b: np.ndarray, normalized: bool = True) -> np.ndarray:
     """JaccardOverlap of every box of a (M, 4) with every box of b (K, 4) -> (M, K), float32
     numpy (matching and NMS are a few small arrays per image: numpy's calls cost a fraction of
     torch's, and never wait for an OpenMP team)."""
-    sa, sb = size(a, normalized), size(b, normalized)
-    a, b = a[:, None, :], b[None, :, :]
-    apart = ((b[..., 0] > a[..., 2]) | (b[..., 2] < a[..., 0])
-             | (b[..., 1] > a[..., 3]) | (b[..., 3] < a[..., 1]))
-    one = np.float32(0 if normalized else 1)
-    iw = np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0]) + one
-    ih = np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1]) + one
-    inter = iw * ih
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = inter / (sa[:, None] + sb[None, :] - inter)
-    return np.where(~apart & (iw > 0) & (ih > 0), out, np.float32(0)).astype(np.float32)
+        return _iou(a, b, normalized)
+
+
+def _iou(a: np.ndarray, b: np.ndarray, normalized: bool, sa=None, sb=None) -> np.ndarray:
+    """``iou`` (its caller sets numpy's errstate; ``sa``, ``sb``: the boxes' sizes, if known).
+    For normalised boxes the fork's "apart" test is implied: apart boxes overlap by a negative
+    width or height (subtraction keeps the order)."""
+    sa = size(a, normalized) if sa is None else sa
+    sb = size(b, normalized) if sb is None else sb
+    one = np.float32(0 if normalized else 1)
+    iw = np.minimum(a[:, None, 2], b[None, :, 2])
+    iw -= np.maximum(a[:, None, 0], b[None, :, 0])
+    iw += one
+    ih = np.minimum(a[:, None, 3], b[None, :, 3])
+    ih -= np.maximum(a[:, None, 1], b[None, :, 1])
+    ih += one
+    inter = iw * ih
+    den = sa[:, None] + sb[None, :]
+    den -= inter
+    inter /= den
+    none = ~((iw > 0) & (ih > 0))
+    if not normalized:     # (pixel boxes: the + 1 can make apart boxes overlap by up to 1)
+        none |= ((b[None, :, 0] > a[:, None, 2]) | (b[None, :, 2] < a[:, None, 0])
+                 | (b[None, :, 1] > a[:, None, 3]) | (b[None, :, 3] < a[:, None, 1]))
+    inter[none] = 0
+    return inter
 
 
 def jaccard(a: torch.Tensor, b: torch.Tensor, normalized: bool = True) -> torch.Tensor:
@@ -116,21 +133,38 @@ def nms_fast(boxes, scores, score_threshold: float, nms_threshold: float, eta: f
     threshold, which shrinks by ``eta`` after each keep while above 0.5."""
     boxes, scores = (np.asarray(t.numpy() if isinstance(t, torch.Tensor) else t) for t in (boxes, scores))
     idx = np.flatnonzero(scores > np.float32(score_threshold))
-    idx = idx[np.argsort(-scores[idx], kind="stable")]
+    neg = -scores[idx]
+    if -1 < top_k < len(idx):   # only the top_k best sorted: all tied with the last one kept
+        idx = idx[neg <= np.partition(neg, top_k - 1)[top_k - 1]]
+        neg = -scores[idx]
+    idx = idx[np.argsort(neg, kind="stable")]
     if top_k > -1:
         idx = idx[:top_k]
     if len(idx) == 0:
         return idx
-    overlap = iou(boxes[idx], boxes[idx])
     thr = np.float32(nms_threshold)
     keep: list[int] = []
     if eta >= 1:
-        gone = np.zeros(len(idx), dtype=bool)
-        for i in range(len(idx)):
-            if not gone[i]:
-                keep.append(i)
-                gone |= overlap[i] > thr
+        # the overlaps of the candidates still standing with those after them, NMS_BLOCK rows
+        # at a time: the whole matrix's values (elementwise), a fraction of its work
+        cand, n = boxes[idx], len(idx)
+        areas = size(cand)
+        gone = np.zeros(n, dtype=bool)
+        i = 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            while i < n:
+                rows = np.flatnonzero(~gone[i:])[:NMS_BLOCK] + i
+                if not len(rows):
+                    break
+                first = rows[0]
+                over = _iou(cand[rows], cand[first:], True, areas[rows], areas[first:]) > thr
+                for r, row in zip(rows.tolist(), over):
+                    if not gone[r]:
+                        keep.append(r)
+                        gone[first:] |= row
+                i = rows[-1] + 1
     else:
+        overlap = iou(boxes[idx], boxes[idx])
         for i in range(len(idx)):
             if not keep or bool((overlap[i, keep] <= thr).all()):
                 keep.append(i)

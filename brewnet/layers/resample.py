@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import Layer
+from .base import Layer, tracing
 from .registry import register
 
 
@@ -144,7 +144,9 @@ class Upsample(Layer):
         out = self.reshape([tuple(b.shape) for b in bottoms])[0]
         idx = bottoms[1].detach().to("cpu", torch.int64)
         size = out[2] * out[3]
-        if idx.numel() and (int(idx.max()) >= size or int(idx.min()) < 0):
+        # in a graph a bad index fails in scatter (on the CPU, always), and the graph's guard
+        # sends the call to the eager path, which names it here (execution/fast_path.py)
+        if not tracing() and idx.numel() and (int(idx.max()) >= size or int(idx.min()) < 0):
             raise self.fail(f"mask index {int(idx.max())} out of range for a {out[2]}x{out[3]} output "
                             "(check the scale against the pooling layer that made the mask)")
         top = _Unpool.apply(x.cpu() if x.device.type != "cpu" else x, idx, size)
@@ -247,7 +249,7 @@ class Unpooling(Layer):
         if self.method == MAX:
             if len(bottoms) == 2:
                 idx = bottoms[1].detach().to("cpu", torch.int64)
-                if idx.numel() and (int(idx.max()) >= hu * wu or int(idx.min()) < 0):
+                if not tracing() and idx.numel() and (int(idx.max()) >= hu * wu or int(idx.min()) < 0):
                     raise self.fail(f"mask index out of range for a {hu}x{wu} output")
             else:
                 rows = (torch.arange(h) * self.stride[0] - self.pad[0]).clamp(0, hu - 1)

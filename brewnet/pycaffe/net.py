@@ -119,6 +119,7 @@ class Net(core.Net):
             if name not in allowed:
                 raise NetError(f"backward: '{name}' is not among {allowed}")
             self.blobs[name].diff[...] = value
+        self._lean.before_backward()     # after a forward the lean graph ran: autograd's forward
         self.backward_tensors(start, end, blob_diffs=True)
         outs = self.inputs if end is None else self.bottom_lists[self._index(end, 0)]
         return {n: self.blobs[n].diff for n in list(outs) + list(diffs or [])}
