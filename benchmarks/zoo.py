@@ -11,7 +11,7 @@ process (memory is freed between nets; a crash costs one row). Weights: random, 
 what a trained net would (tests/test_every_net_every_call.py's ``realistic``), written to a
 caffemodel so that every runtime runs the same weights on the same input. Runtimes, timed in
 turn (the order rotated each round; in each round a runtime's ``BLOCK`` timed calls follow
-``SETTLE`` untimed ones, so that another runtime's spinning threads, ONNX Runtime's and
+untimed ones for ``SETTLE_S``, so that another runtime's spinning threads, ONNX Runtime's and
 OpenCV's, have stopped) after their warm-up: "brewnet": a pycaffe Net
 at the user's defaults (engine auto; warmed until it has picked its engine, which the engine
 cache remembers from an earlier run: run the benchmark twice on a new machine); "eager" (and
@@ -42,10 +42,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 PEERS = ("opencv", "ort")
-# After another runtime ran, a runtime's first two calls are slow (AlexNet-like nets, ONNX Runtime:
-# 30 ms, then 16 ms steady, whichever session ran before: the other's threads spin, its weights
-# took the caches): SETTLE untimed calls, then BLOCK timed ones, per runtime and round.
-SETTLE, BLOCK = 2, 3
+# After another runtime ran, a runtime's first calls are slow: two ONNX Runtime sessions in one
+# process (brewnet's engine, the peer) slow each other's next ~40-60 ms of calls (SqueezeNet:
+# 8 ms a call, 3.8 steady; AlexNet-like nets: 30 ms, then 16): the other pool's threads, the
+# caches. So each runtime, each round, runs untimed for SETTLE calls and SETTLE_S seconds at
+# least, then BLOCK timed calls: each is timed in the state a process running it alone is in.
+SETTLE, SETTLE_S, BLOCK = 2, 0.1, 3
 
 
 def corpus():
@@ -180,8 +182,11 @@ def one(name: str, batch: int, reps: int, budget: float, compiled: bool, folder:
     t_end = time.perf_counter() + budget
     for r in range(reps):
         for k in order[r % len(order):] + order[:r % len(order)]:
-            for _ in range(SETTLE):   # untimed: see SETTLE
+            t_settle = time.perf_counter() + SETTLE_S
+            for i in range(1000):     # untimed: see SETTLE
                 runners[k]()
+                if i + 1 >= SETTLE and time.perf_counter() > t_settle:
+                    break
             for _ in range(BLOCK):
                 t0 = time.perf_counter()
                 runners[k]()
