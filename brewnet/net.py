@@ -69,6 +69,7 @@ class Net:
         self.device = torch.device(device) if device is not None else default_device()
         self.hooks: dict[str, list] = {w: [] for w in HOOKS}
         self._build()
+        self.weights_file = weights     # the weights it was built with (None: filled at random)
         if weights:
             from .weights import load_weights
 

@@ -293,16 +293,29 @@ def _time(fn, xs) -> float:
     return time.perf_counter() - t0
 
 
+def warm(fn, xs, calls: tuple[int, int] = WARMUP) -> None:
+    """Untimed calls of ``fn``: at least ``calls[0]``, at most ``calls[1]``, stopping after
+    ``WARMUP_S``. A new session's first calls are slow (ONNX Runtime on ResNet-50: 138 ms
+    falling to 65 by the 8th call; auto had kept eager for it)."""
+    t_warm = time.perf_counter() + WARMUP_S
+    for i in range(calls[1]):
+        fn(xs)
+        if i + 1 >= calls[0] and time.perf_counter() > t_warm:
+            break
+
+
+def cached_choice(net, shapes) -> tuple[dict, dict | None]:
+    """(key, the cache's entry or None) of auto's choice for ``net`` on inputs of ``shapes``."""
+    key = engine_cache.choice_key(net, [tuple(s) for s in shapes], cores(), "fp32")
+    return key, engine_cache.ChoiceCache().get(key)
+
+
 def measure(runners: dict, xs, budget_s: float = MEASURE_S) -> dict[str, float]:
     """Seconds per call of each runner on ``xs`` (its fastest), alternating, within ``budget_s``. Each
     timed call follows an untimed one of the same runner: ONNX Runtime's and OpenCV's threads
     spin for a while after a call and would slow whichever runner comes next."""
-    for fn in runners.values():      # a new session's first calls are slow (ONNX Runtime on
-        t_warm = time.perf_counter() + WARMUP_S      # ResNet-50: 138 ms falling to 65 by the
-        for i in range(WARMUP[1]):                   # 8th call; auto had kept eager for it)
-            fn(xs)
-            if i + 1 >= WARMUP[0] and time.perf_counter() > t_warm:
-                break
+    for fn in runners.values():
+        warm(fn, xs)
     times = {k: [] for k in runners}
     t_end = time.perf_counter() + budget_s
     for r in range(ROUNDS[1]):
@@ -344,8 +357,7 @@ def due(lean, xs) -> bool:
     if lean.cached is None:          # once per graph (this runs at every call until a pick)
         if candidates(asked) == ["eager"]:
             return True
-        key = engine_cache.choice_key(net, [tuple(x.shape) for x in xs], cores(), "fp32")
-        lean.cached = (key, engine_cache.ChoiceCache().get(key))
+        lean.cached = cached_choice(net, [x.shape for x in xs])
     return lean.cached[1] is not None or lean.spent >= AUTO_AFTER_S
 
 
@@ -371,12 +383,10 @@ def pick(lean, xs):
     if names == ["eager"]:
         return None
     with torch.no_grad():
-        lean._bound_call(xs)
-        t0 = time.perf_counter()
         want = lean._bound_call(xs)
-        if (asked == "auto" and hit is None and "onnxruntime" in names and threads > 1
-                and time.perf_counter() - t0 < ONE_THREAD_UNDER_S):
-            names.append(ONE_THREAD)
+        if asked == "auto" and hit is None and "onnxruntime" in names and threads > 1:
+            if _time(lean._bound_call, xs) < ONE_THREAD_UNDER_S:   # (a second, warm call)
+                names.append(ONE_THREAD)
     runners = {"eager": lean._bound_call}
     for name in names:
         if name == "eager":
@@ -410,18 +420,13 @@ def ready(lean):
             or getattr(net, "precision", "fp32") != "fp32" or candidates("auto") == ["eager"]):
         return None
     shapes = [tuple(net.blobs[n].shape) for n in net.inputs]
-    key = engine_cache.choice_key(net, shapes, cores(), "fp32")
-    hit = engine_cache.ChoiceCache().get(key)
+    key, hit = cached_choice(net, shapes)
     if hit is None or hit["engine"] not in BUILDERS:
         return None
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(s, generator=gen) for s in shapes]
     runner = _build(hit["engine"], net, cores(), xs, lean.plain(xs))
-    t_warm = time.perf_counter() + WARMUP_S      # a session's first calls are slow: here, not
-    for _ in range(WARMUP[0]):                   # in the user's first forwards
-        runner(xs)
-        if time.perf_counter() > t_warm:
-            break
+    warm(runner, xs, (1, WARMUP[0]))      # here, not in the user's first forwards
     log.info("Net '%s': engine %s from the first call (measured before: %s)", net.name,
              hit["engine"], describe(hit["ms"]))
     return runner, (key, hit)
@@ -447,7 +452,6 @@ class _ModuleOnnx:
     """``to_torch``'s module (any batch) as ONNX in ONNX Runtime, called as the module is."""
 
     name = "onnxruntime"
-    fresh = True                      # session.run returns new arrays each call
 
     def __init__(self, gm, threads: int, folder):
         import pathlib

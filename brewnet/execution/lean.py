@@ -192,7 +192,7 @@ class LeanForward:
 
     def _run(self) -> bool:
         net = self.net
-        key = tuple(tuple(net.blobs[n].shape) for n in net.inputs)
+        key = self._input_key()
         if key != self._key:
             self._switch(key)
         self.calls += 1
@@ -233,6 +233,9 @@ class LeanForward:
             b._pending = self.settle
         self.replayed, net._ran = True, {}   # (the last plain forward's autograd graph: freed)
         return True
+
+    def _input_key(self) -> tuple:
+        return tuple(tuple(self.net.blobs[n].shape) for n in self.net.inputs)
 
     def _switch(self, key) -> None:
         """Make ``key``'s input shapes the current ones: the state of the shapes left is kept
@@ -326,8 +329,8 @@ class LeanForward:
         no pick at the ``AFTER``-th call). Anything amiss leaves the usual path to it."""
         net = self.net
         try:                        # (a bad switch is the user's error at the forward, as ever)
-            if not self.eligible() or (self.engine is not None and self._key == tuple(
-                    tuple(net.blobs[n].shape) for n in net.inputs)) or _cut.plan(net) is not None:
+            if (not self.eligible() or (self.engine is not None and self._key == self._input_key())
+                    or _cut.plan(net) is not None):
                 return                      # (a cut net's engine runs its trunk: the usual path)
             ready = engines.ready(self)
         except Exception as e:      # noqa: BLE001 - an optimisation: the usual path still runs
@@ -335,7 +338,7 @@ class LeanForward:
                       type(e).__name__, str(e)[:300])
             return
         if ready is not None:
-            self._switch(tuple(tuple(net.blobs[n].shape) for n in net.inputs))
+            self._switch(self._input_key())
             self.engine, self.cached = ready
             self._picked = True
 

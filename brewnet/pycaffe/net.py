@@ -6,7 +6,6 @@ per-layer step API) knows nothing of pycaffe's quirks; this subclass alone does.
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections import OrderedDict
 
@@ -49,9 +48,7 @@ class Net(core.Net):
         super().__init__(*args, **kwargs)
         # the engine a cache knows, ready for the first call; only on trained weights (a net
         # filled at random gets its weights next: an ONNX file of those would be waste)
-        weights = kwargs.get("weights") or (      # Net(model, weights, phase) as pycaffe's
-            args[1] if len(args) > 1 and isinstance(args[1], (str, os.PathLike)) else None)
-        if weights:
+        if self.weights_file:
             self._lean.prepare()
 
     def copy_from(self, path) -> None:
