@@ -33,7 +33,7 @@ from brewnet.execution import determinism, process, threads, wgrad  # noqa: E402
 from brewnet.layers import functional as Fn  # noqa: E402
 from brewnet.net import Net  # noqa: E402
 from brewnet.proto import caffe_pb2 as pb  # noqa: E402
-from conv_wgrad import PROTOS  # noqa: E402
+from conv_wgrad import PROTOS, same_on  # noqa: E402
 from thread_bits import MODELS, with_input  # noqa: E402
 from train import NETS, brewnet_solver  # noqa: E402
 
@@ -57,20 +57,14 @@ def median_ms(fns: dict, rounds: int) -> dict:
 
 
 def same_bits(fn) -> bool:
-    """``fn()``'s tensors are the same on 1, 2 and 4 torch threads."""
-    before, ref = torch.get_num_threads(), None
+    """``fn()``'s tensors are the same on 1, 2 and 4 torch threads, MKL on one thread each time
+    as a training thread runs it."""
+    def one():
+        determinism.blas_on_one_thread()
+        return [t.clone() for t in fn()]
     try:
-        for n in (1, 2, 4):
-            torch.set_num_threads(n)
-            determinism.blas_on_one_thread()     # a training thread's MKL
-            got = [t.clone() for t in fn()]
-            if ref is None:
-                ref = got
-            elif not all(torch.equal(a, b) for a, b in zip(ref, got)):
-                return False
-        return True
+        return same_on(one)
     finally:
-        torch.set_num_threads(before)
         determinism.blas_on_one_thread()
 
 
