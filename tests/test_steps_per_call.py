@@ -312,3 +312,10 @@ def test_a_read_that_fails_inside_the_loop_raises_at_its_iteration(monkeypatch, 
     assert got[0][0] == got[1][0] == 999 and got[1][2] and not got[0][2]
     for x, y in zip(got[0][1], got[1][1]):
         np.testing.assert_array_equal(x, y)
+
+
+def test_a_bad_steps_per_call_switch_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("BREWNET_STEPS_PER_CALL", "yes")
+    s = make(logreg_h5(tmp_path))
+    with pytest.raises(ValueError, match=r"BREWNET_STEPS_PER_CALL='yes': expected one of auto, 0"):
+        s.step(600)
