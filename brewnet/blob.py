@@ -207,11 +207,37 @@ class Blob:
 
 
 _param_views = 0
+_live: list = []        # (weakref to a parameter's numpy view, its bits at the last forward)
 
 
 def param_views() -> int:
-    """How many numpy views of parameters were handed out (they may have been written)."""
+    """Changes whenever a numpy view of a parameter was handed out, or one still alive was
+    written since ``look_at_param_views`` last ran: the key of every cache of derived weights
+    (folded, packed, an engine's), as torch's version counters miss numpy's writes."""
     return _param_views
+
+
+def _bits(arr: np.ndarray) -> np.ndarray:
+    return arr.view(f"u{arr.itemsize}")     # compared as bits: a NaN weight equals itself
+
+
+def look_at_param_views() -> None:
+    """Before a forward that may use cached derived weights: count a write through a live
+    parameter view (a user's ``W = net.params[..][0].data`` kept and written after a forward).
+    Costs a compare of the viewed parameters, only while such views are alive."""
+    global _param_views
+    if not _live:
+        return
+    keep = []
+    for ref, seen in _live:
+        arr = ref()
+        if arr is None:
+            continue
+        if seen is None or not np.array_equal(_bits(arr), seen):
+            _param_views += seen is not None    # (a new view: counted when handed out)
+            seen = _bits(arr).copy()
+        keep.append((ref, seen))
+    _live[:] = keep
 
 
 def diff_viewed(param: torch.Tensor) -> bool:
@@ -259,6 +285,10 @@ class ParamBlob(Blob):
         global _param_views
         _param_views += 1
         arr = super()._view(which)
+        if which == "data" and arr.dtype.kind == "f":
+            if len(_live) > 64:
+                _live[:] = [e for e in _live if e[0]() is not None]
+            _live.append((weakref.ref(arr), None))     # its bits: at the next forward
         if which == "diff":
             t = self._t if self._t._base is None else self._t._base
             if not hasattr(t, "_brewnet_diff_views"):

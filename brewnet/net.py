@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from . import backprop
-from .blob import Blob, nhwc
+from .blob import Blob, look_at_param_views, nhwc
 from .data import layers as _data_layers  # noqa: F401  (registers the database readers)
 from .errors import NetError
 from .execution.folding import Folder
@@ -318,6 +318,7 @@ class Net:
         i0, i1 = self._index(start, 0), self._index(end, len(self.layer_list) - 1)
         if self._current_input_shapes() != self._input_shapes:
             self.reshape()
+        look_at_param_views()                   # (the folded weights' cache key)
         grad = self._needs_backward and torch.is_grad_enabled()
         if i0 == 0:
             # Per-layer bottoms/tops for any range's backward (grad mode only: they keep intermediates alive).

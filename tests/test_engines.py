@@ -99,6 +99,37 @@ def test_an_engine_sees_weights_changed_after_it_was_built():
         assert_close(g, w, engines.RTOL[torch.float32])
 
 
+@pytest.mark.parametrize("engine", ["onnxruntime", "opencv", "eager", "plain"])
+def test_a_kept_parameter_view_written_after_forwards_reaches_the_next_forward(engine, tmp_path,
+                                                                              monkeypatch):
+    """pycaffe's parameter arrays are the weights' memory: ``W = net.params[..][0].data`` kept
+    and written after the engine, the graph or the folded BatchNorm was built is what the next
+    forward computes with (numpy's writes move no torch version counter)."""
+    from test_lean import DEPLOY
+
+    pytest.importorskip("cv2", reason="OpenCV") if engine == "opencv" else None
+    if engine == "plain":
+        monkeypatch.setenv("BREWNET_LEAN", "0")
+    path = tmp_path / "deploy.prototxt"
+    path.write_text(DEPLOY)
+    net, eager = twin(path, "eager" if engine == "plain" else engine)
+    kept = [net.params[k][i].data for k, i in (("conv1", 0), ("bn1", 0), ("sc1", 1), ("ip1", 0))]
+    xs = inputs(net)
+    outputs(net, xs)
+    assert (net._lean.engine is not None) == (engine in ("onnxruntime", "opencv"))
+    for step in range(2):
+        for w in kept:
+            w *= 0.5
+            w += 0.01 * (step + 1)
+        with torch.no_grad():          # (net's weights read as tensors: no new view of them)
+            for la, lb in zip(net.layer_list, eager.layer_list):
+                for a, b in zip(la.blobs, lb.blobs):
+                    b.copy_(a)
+        got, want = outputs(net, xs[:2]), outputs(eager, xs[:2])
+        for g, w in zip(got, want):
+            assert_close(g, w, engines.RTOL[torch.float32])
+
+
 def test_intermediate_blobs_under_another_engine_are_the_eager_nets():
     net, eager = twin(CIFAR, "onnxruntime")
     xs = inputs(net)

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ..blob import host_copy, nhwc
+from ..blob import host_copy, look_at_param_views, nhwc
 from . import cut as _cut
 from . import engines
 from .cuda_graph import device_refusal
@@ -184,6 +184,7 @@ class LeanForward:
         the caller runs the plain path."""
         if not self.eligible():
             return False
+        look_at_param_views()          # (a cached engine's or graph's weights: still these?)
         self.running = True
         try:
             return self._run()
