@@ -30,8 +30,12 @@ def _fit(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
     return torch.empty((0,), dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), shape)
 
 
+COPY_UNDER = 1 << 16    # elements: an engine's output copied into the blob's memory, not taken
+
+
 class Blob:
     _pending = None     # lean inference (brewnet/execution/lean.py): brings a stale blob up to date
+    _taken = None       # (tensor, array): the engine output array the blob last took (take)
 
     def __init__(self, tensor: torch.Tensor, diff: torch.Tensor | None = None):
         self._t = tensor
@@ -83,6 +87,36 @@ class Blob:
         else:
             self.tensor = t
             self._owned["data"] = fresh
+
+    def take(self, arr: np.ndarray, owned: bool = True) -> np.ndarray:
+        """``write(torch.from_numpy(arr), fresh=True)`` for an engine's CPU output, and a view
+        to hand out. A small output, one whose view is kept, or one not ``owned`` (a buffer the
+        engine keeps) is copied into the array the blob last took (no tensor made, no memory
+        held across the engine's next run)."""
+        fits = self._fits(arr)
+        if not owned and not fits:
+            arr, owned = arr.copy(), True
+        if fits and (not owned or arr.size <= COPY_UNDER or self._viewed("data")):
+            mem = self._taken[1]
+            np.copyto(mem, arr)
+        elif self._viewed("data"):           # a view is alive: its memory is written into
+            self.write(torch.from_numpy(arr))
+            mem = self._t.detach().numpy()
+            self._taken = (self._t, mem)
+        else:
+            self.tensor = torch.from_numpy(arr)
+            mem, self._taken = arr, (self._t, arr)
+        view = mem.view()                     # (an object of its own: the weakref dies with it)
+        refs = self._views["data"]
+        if len(refs) > 4:
+            refs[:] = [r for r in refs if r() is not None]
+        refs.append(weakref.ref(view))
+        return view
+
+    def _fits(self, arr: np.ndarray) -> bool:
+        last = self._taken
+        return (last is not None and last[0] is self._t and last[1].shape == arr.shape
+                and last[1].dtype == arr.dtype)
 
     def write_diff(self, g: torch.Tensor) -> None:
         if self._viewed("diff") and g.shape == self._d.shape:

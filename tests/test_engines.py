@@ -130,6 +130,44 @@ def test_a_kept_parameter_view_written_after_forwards_reaches_the_next_forward(e
             assert_close(g, w, engines.RTOL[torch.float32])
 
 
+def test_the_steady_call_on_an_engine_is_the_general_paths(monkeypatch):
+    """Past the switch, a whole forward on inputs of the blobs' shape and dtype takes the direct
+    way (``LeanForward.direct``: input copied in, the engine's arrays taken); its outputs and
+    intermediate blobs are the general path's, and what it does not cover (float64 input,
+    another batch, a viewed intermediate blob, a hook) goes the general way, same numbers."""
+    net, eager = twin(LENET, "onnxruntime")
+    xs = inputs(net, CALLS + 6)
+    outputs(net, xs[:CALLS])
+    took = []
+    direct = lean.LeanForward.direct
+    monkeypatch.setattr(lean.LeanForward, "direct",
+                        lambda self, ins: took.append(direct(self, ins)) or took[-1])
+
+    def check(got, x, went_direct):
+        assert (took[-1] is not None) == went_direct
+        want = eager.forward(data=x)
+        assert_close({k: v.copy() for k, v in got.items()}, want, engines.RTOL[torch.float32])
+
+    check(net.forward(data=xs[0]), xs[0], True)
+    net.blobs["data"].data[...] = xs[1]              # pycaffe's classic way: blob, then forward()
+    check(net.forward(), xs[1], True)
+    check(net.forward(data=xs[2].astype(np.float64)), xs[2], False)
+    check(net.forward(data=xs[3]), xs[3], True)
+    conv2 = net.blobs["conv2"].data                  # the plain forward on the saved input
+    assert np.array_equal(conv2, eager.blobs["conv2"].data)
+    check(net.forward(data=xs[4]), xs[4], False)     # a viewed intermediate blob: written each call
+    eager.forward(data=xs[4])
+    assert np.array_equal(conv2, eager.blobs["conv2"].data)
+    del conv2
+    check(net.forward(data=xs[5]), xs[5], True)
+    two = np.concatenate(xs[:2])
+    check(net.forward(data=two), two, False)
+    seen = []
+    net.before_forward(seen.append)
+    check(net.forward(data=xs[0]), xs[0], False)
+    assert seen
+
+
 def test_intermediate_blobs_under_another_engine_are_the_eager_nets():
     net, eager = twin(CIFAR, "onnxruntime")
     xs = inputs(net)

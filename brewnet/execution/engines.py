@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import time
 import warnings
@@ -70,12 +71,15 @@ def need_onnxruntime():
     return onnxruntime
 
 
+_VERSION = operator.attrgetter("_version")
+
+
 def weights_state(net) -> tuple:
     """Changes when any weight may have changed (torch's version counters, numpy views)."""
     from .. import blob as _blob
 
     params = [t for layer in net.layer_list for t in layer.blobs]   # (checked every call: lean)
-    return _blob.param_views(), list(map(id, params)), [t._version for t in params]
+    return _blob.param_views(), list(map(id, params)), list(map(_VERSION, params))
 
 
 @contextlib.contextmanager
@@ -112,7 +116,7 @@ class OnnxRuntimeEngine:
     """The net's folded graph as ONNX in an ONNX Runtime session (the file cached per weights)."""
 
     name = "onnxruntime"
-    fresh = True                      # session.run returns new arrays each call
+    fresh = owned = True              # session.run returns new arrays each call
 
     def __init__(self, net, threads: int, cut=None, one_thread: bool = False):
         ort = need_onnxruntime()
@@ -146,8 +150,11 @@ class OnnxRuntimeEngine:
         log.debug("Net '%s': ONNX written for ONNX Runtime in %.1f s", self.net.name, time.perf_counter() - t0)
 
     def __call__(self, xs):
-        feed = {n: x.detach().contiguous().numpy() for n, x in zip(self.inputs, xs)}
-        return tuple(torch.from_numpy(a) for a in self.session.run(self.outputs, feed))
+        return tuple(map(torch.from_numpy, self.arrays([x.detach().contiguous().numpy() for x in xs])))
+
+    def arrays(self, xs: list) -> list:
+        """The outputs on C-contiguous float arrays ``xs``, as new arrays."""
+        return self.session.run(self.outputs, dict(zip(self.inputs, xs)))
 
 
 def compiled(gm, example: list, dynamic: bool):
@@ -186,7 +193,8 @@ class OpenCVEngine:
     deploy with; an independent importer: a net it reads otherwise fails the output check)."""
 
     name = "opencv"
-    fresh = True
+    fresh = True                      # __call__'s outputs (arrays' are not: owned False)
+    owned = False
 
     def __init__(self, net, threads: int, cut=None):
         import tempfile
@@ -215,10 +223,15 @@ class OpenCVEngine:
         self.inputs = list(net.inputs)
 
     def __call__(self, xs):
+        # its arrays may be the dnn's own buffers: copied (numpy, this thread), then fresh
+        return tuple(torch.from_numpy(a.copy()) for a in self.arrays([x.detach().contiguous().numpy() for x in xs]))
+
+    def arrays(self, xs: list) -> list:
+        """The outputs on C-contiguous float arrays ``xs``: the dnn's own buffers (``owned``
+        False: a blob copies them)."""
         for name, x in zip(self.inputs, xs):
-            self.cv.setInput(x.detach().contiguous().numpy(), name)
-        # its arrays may be the dnn's own buffers: copied here (numpy, this thread), then fresh
-        return tuple(torch.from_numpy(a.copy()) for a in self.cv.forward(self.layers))
+            self.cv.setInput(x, name)
+        return self.cv.forward(self.layers)
 
 
 class Bf16Engine:

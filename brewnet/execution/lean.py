@@ -20,6 +20,7 @@ import operator
 import os
 import time
 
+import numpy as np
 import torch
 
 from ..blob import host_copy, look_at_param_views, nhwc
@@ -170,6 +171,7 @@ class LeanForward:
         self._shapes: dict = {}                    # other input shapes: their _PER_SHAPE state
         self.quiet = 0                             # whole forwards since the last backward()
         self.replayed = False                      # the last whole forward was the graph's
+        self._direct = None                        # what direct() reads, bound by _run
         io = set(net.inputs) | set(net.outputs)
         self._middle = [b for n, b in net.blobs.items() if n not in io]
 
@@ -233,7 +235,61 @@ class LeanForward:
         for b in self._stale:
             b._pending = self.settle
         self.replayed, net._ran = True, {}   # (the last plain forward's autograd graph: freed)
+        self._bind_direct()
         return True
+
+    def _bind_direct(self) -> None:
+        """What ``direct`` needs, taken after a whole forward on an engine with numpy I/O."""
+        net, engine = self.net, self.engine
+        self._direct = None
+        if (engine is None or self.cut is not None or not hasattr(engine, "arrays")
+                or net.device.type != "cpu"):
+            return
+        ins = [net.blobs[n] for n in net.inputs]
+        arrays = [b._t.detach().numpy() for b in ins]
+        if all(a.flags.c_contiguous for a in arrays):
+            self._direct = (engine, ins, [b._t for b in ins], arrays,
+                            [s.numpy() for s in self._saved], [net.blobs[n] for n in net.outputs])
+
+    def direct(self, inputs: dict) -> dict | None:
+        """A whole forward on the engine picked, in the steady case, in few steps: ``inputs``
+        (numpy arrays by name, or none: the blobs' values) copied into the input blobs, whose
+        memory the engine reads, its new output arrays taken by the output blobs. None where
+        anything differs from the forward that bound it: the general path then runs."""
+        look_at_param_views()
+        bound, net = self._direct, self.net
+        if bound is None or self.guard.off is not None or net.hooked():
+            return None
+        engine, ins, tensors, arrays, saved, outs = bound
+        if (engine is not self.engine or os.environ.get("BREWNET_LEAN", "1") != "1"
+                or any(b._views["data"] and b._viewed("data") for b in self._middle)
+                or (net._needs_backward and self.quiet < AFTER)
+                or any(b._t is not t or b._pending is not None for b, t in zip(ins, tensors))
+                or engines.weights_state(net) != engine.state):
+            return None
+        if inputs:
+            if len(inputs) != len(ins):
+                return None
+            values = [inputs.get(n) for n in net.inputs]
+            if not all(type(v) is np.ndarray and v.shape == a.shape and v.dtype == a.dtype
+                       for v, a in zip(values, arrays)):
+                return None
+            for a, v in zip(arrays, values):
+                np.copyto(a, v)
+        got = engine.arrays(arrays)
+        owned = engine.owned           # (OpenCV's: its dnn's own buffers, copied by take)
+        for s, a in zip(saved, arrays):
+            np.copyto(s, a)
+        self.calls += 1
+        self.quiet += 1
+        result = {n: b.take(a, owned) for n, b, a in zip(net.outputs, outs, got)}
+        if not self._stale:                  # (else still every middle blob, marked)
+            self._stale = list(self._middle)
+            for b in self._stale:
+                b._pending = self.settle
+        if not self.replayed or net._ran:
+            self.replayed, net._ran = True, {}
+        return result
 
     def _input_key(self) -> tuple:
         return tuple(tuple(self.net.blobs[n].shape) for n in self.net.inputs)
