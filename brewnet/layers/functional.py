@@ -132,11 +132,14 @@ class _MaxPool2d(torch.autograd.Function):
         ctx.save_for_backward(x, y, idx)
         ctx.pool = (kernel, stride, pad, ceil_mode)
         ctx.mark_non_differentiable(idx)
+        ctx.set_materialize_grads(False)    # no zeros for the indices' gradient
         return y, idx
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy, _didx):
+        if dy is None:
+            return None, None, None, None, None
         x, y, idx = ctx.saved_tensors
         kernel, stride, pad, ceil_mode = ctx.pool
         dy = torch.ops.aten.threshold_backward(dy, y, -FLT_MAX)
