@@ -1,7 +1,7 @@
 """Training speed per net against Caffe's, and per layer the kernel brewnet runs and the others.
 
     python benchmarks/train_speed.py [--nets lenet,cifar10_quick,caffenet] [--iterations 10]
-                                     [--rounds 7] [--no-bits]
+                                     [--rounds 7] [--no-bits] [--nets-only] [--brewnet DIR]
 
 Per net: ``brewnet time``'s forward + backward (``time_net``), a solver step, issue 39's
 ``caffe time`` (no reference build here) and the fraction of the fp32 peak (``torch.mm`` 2048^3 in the same
@@ -11,7 +11,9 @@ from float64 relative to the largest magnitude; ``bits``: the same on 1, 2 and 4
 Convolutions on NHWC activations: oneDNN on NHWC, on NCHW (copied both ways), im2col + one GEMM
 (col2im for the input gradient); the weight gradient as ``wgrad.choose`` runs it. InnerProduct
 (forward + both gradients): MKL on one thread, on torch's threads (torch ops here, not a brewnet
-kernel), oneDNN. MAX pooling: torch's kernel alone (composites: max_pool.py).
+kernel), oneDNN. MAX pooling: torch's kernel alone (composites: max_pool.py). ``--nets-only``:
+the per-net table alone; ``--brewnet DIR``: import brewnet from another checkout (``git archive
+<commit> | tar -x -C DIR``) for a before/after pair of processes.
 """
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# --brewnet DIR is read before brewnet is imported
+CHECKOUT = Path(sys.argv[sys.argv.index("--brewnet") + 1]).resolve() if "--brewnet" in sys.argv \
+    else ROOT
+sys.path.insert(0, str(CHECKOUT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import brewnet  # noqa: E402,F401,I001  (before torch: MKL's strict mode, OpenMP's passive wait)
@@ -263,6 +268,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--no-bits", action="store_true", help="skip the 1/2/4-thread bits column")
+    ap.add_argument("--nets-only", action="store_true", help="the per-net table alone")
+    ap.add_argument("--brewnet", help="a checkout whose brewnet is imported instead of this one")
     a = ap.parse_args()
     process.configure(torch.device("cpu"), keep_memory=True)
     nets, per_layer = [], []
@@ -280,15 +287,18 @@ def main() -> None:
         step = step_ms(key, a.iterations)
         nets.append((key, shape[0], n_threads, fb, step, CAFFE_MS[key],
                      net_flops(net) / (min(fb, step) * 1e-3) / 1e9 / peak, peak))
-        per_layer += [(key, *r) for r in layer_rows(net, a.rounds, not a.no_bits)]
-    print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}; "
-          f"median of {a.iterations} passes / steps\n")
+        if not a.nets_only:
+            per_layer += [(key, *r) for r in layer_rows(net, a.rounds, not a.no_bits)]
+    print(f"brewnet from {brewnet.__file__}; torch {torch.__version__}, "
+          f"{torch.backends.cpu.get_cpu_capability()}; median of {a.iterations} passes / steps\n")
     print("| net | batch | threads | fwd+bwd ms | solver step ms | Caffe ms (issue 39) | "
           "Caffe / brewnet | fp32 peak (GFLOP/s) | peak fraction |")
     print("|---|---|---|---|---|---|---|---|---|")
     for key, batch, nt, fb, step, caffe, frac, peak in nets:
         print(f"| {key} | {batch} | {nt} | {fb:.1f} | {step:.1f} | {caffe:g} | "
               f"{caffe / min(fb, step):.2f}x | {peak:.0f} | {frac:.1%} |")
+    if a.nets_only:
+        return
     print(f"\nPer layer: ms of each candidate (median of {a.rounds} interleaved rounds, on the "
           "net's threads); * the one brewnet runs; err vs float64 (relative); bits: same on "
           "1, 2, 4 threads\n")

@@ -135,3 +135,24 @@ def test_a_real_net_past_the_switch_same_bits_on_1_and_2_threads_near_the_per_im
             for a, b, c in zip(got[how, 1][layer], got[how, 2][layer], want):
                 assert a.tobytes() == b.tobytes(), (how, layer)
                 np.testing.assert_allclose(a, c, rtol=0, atol=1e-4 * np.abs(c).max())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_nhwc_weight_copied_once_same_bits_as_torch_converting_it(family):
+    """On NHWC activations the training convolution hands oneDNN the weight's NHWC copy, made
+    once in the forward and kept for the backward (torch made it in the forward, the input and
+    the weight gradient, as the previous code called them): the output and the three gradients
+    keep those calls' bits."""
+    dy, x, w, s, p, d, g = case(family, channels_last=True)
+    b = torch.randn(w.shape[0])
+    xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
+    y = conv_nd(xg, wg, bg, s, p, d, g)
+    saved_w = y.grad_fn.saved_tensors[1]
+    assert saved_w.is_contiguous(memory_format=torch.channels_last) and torch.equal(saved_w, w)
+    y.backward(dy)
+    with torch.no_grad():
+        ref_y = torch.nn.functional.conv2d(x, w, b, s, p, d, g)
+    ref_dx = determinism.onednn_backward(dy, x, w, s, p, d, g, [True, False, False])[0]
+    ref_dw, ref_db = wgrad.weight_grad(dy, x, w, s, p, d, g)
+    for got, ref in ((y, ref_y), (xg.grad, ref_dx), (wg.grad, ref_dw), (bg.grad, ref_db)):
+        assert torch.equal(got.detach(), ref)

@@ -207,6 +207,36 @@ def test_max_pool_empty_and_minus_inf_windows():
     assert y.item() == -FLT_MAX and m.item() == -1
 
 
+def test_max_pool_training_path_floor_gradient_and_bits():
+    """With a gradient MAX pooling runs its own Function: a window of -inf only gives -FLT_MAX
+    and no gradient (Caffe's mask -1), the rest the first maximum's; float64 gradcheck; float32:
+    the no-gradient path's top, and the same bits on 1, 2 and 4 threads."""
+    x = torch.arange(32.0, dtype=torch.float64).view(1, 2, 4, 4).flip(-1).clone()
+    x[0, 1, :2, :2] = float("-inf")
+    xg = x.clone().requires_grad_()
+    y, m = Fn.max_pool2d(xg, (2, 2), (2, 2), (0, 0), return_mask=True)
+    y.backward(torch.ones_like(y))
+    assert y[0, 1, 0, 0].item() == -FLT_MAX and m[0, 1, 0, 0].item() == -1
+    assert xg.grad[0, 1, :2, :2].abs().sum() == 0 and xg.grad.sum() == y.numel() - 1
+    x = torch.randn(2, 3, 7, 9, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: Fn.max_pool2d(t, (3, 2), (2, 2), (1, 0))[0], (x,))
+    x32 = torch.randn(8, 20, 24, 24).contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(8, 20, 12, 12)
+    runs = []
+    for n in (1, 2, 4):
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            xg = x32.clone().requires_grad_()
+            y = Fn.max_pool2d(xg, (2, 2), (2, 2), (0, 0))[0]
+            y.backward(dy)
+        finally:
+            torch.set_num_threads(before)
+        runs.append((y.detach(), xg.grad))
+    assert torch.equal(runs[0][0], Fn.max_pool2d(x32, (2, 2), (2, 2), (0, 0))[0])
+    assert all(torch.equal(a, b) for r in runs[1:] for a, b in zip(r, runs[0]))
+
+
 # -- stochastic pooling -----------------------------------------------------------------------------
 def test_stochastic_test_is_weighted_average():
     rng = np.random.default_rng(0)
@@ -269,6 +299,48 @@ def test_lrn_within_channel_ignores_k(size):
     y = Fn.lrn_within_channel(torch.tensor(x), size, 0.3, 0.75)
     np.testing.assert_allclose(y.numpy(), ref_lrn(x, size, 0.3, 0.75, None, "WITHIN"),
                                rtol=1e-12)
+
+
+def ref_lrn_across_backward(x, dy, size, alpha, beta, k):
+    """Caffe's CrossChannelBackward_cpu, written out per channel window."""
+    c, half = x.shape[1], (size - 1) // 2
+    win = [slice(max(0, j - half), min(c, j + half + 1)) for j in range(c)]
+    scale = np.stack([k + alpha / size * (x[:, w] ** 2).sum(1) for w in win], 1)
+    y = x * scale ** -beta
+    ratio = dy * y / scale
+    acc = np.stack([ratio[:, w].sum(1) for w in win], 1)
+    return dy * scale ** -beta - 2 * alpha * beta / size * x * acc
+
+
+@pytest.mark.parametrize("size,nhwc", [(5, True), (3, False), (1, True), (15, False)])
+def test_lrn_across_training_path_is_caffe_backward(size, nhwc):
+    """With a gradient LRN runs its own Function (Caffe's backward formula): float64 against
+    Caffe's loop and gradcheck; float32: the inference path's forward bits, and the same bits on
+    1, 2 and 4 threads."""
+    rng = np.random.default_rng(size)
+    x, dy = rng.standard_normal((2, 7, 3, 4)), rng.standard_normal((2, 7, 3, 4))
+    fmt = torch.channels_last if nhwc else torch.contiguous_format
+    xt = torch.tensor(x).contiguous(memory_format=fmt).requires_grad_()
+    Fn.lrn_across_channels(xt, size, 0.5, 0.75, 2.0).backward(torch.tensor(dy))
+    np.testing.assert_allclose(xt.grad.numpy(), ref_lrn_across_backward(x, dy, size, 0.5, 0.75,
+                                                                        2.0), rtol=1e-10)
+    assert torch.autograd.gradcheck(lambda t: Fn.lrn_across_channels(t, size, 0.5, 0.75, 2.0),
+                                    (xt.detach().clone().requires_grad_(),))
+    x32 = torch.randn(4, 96, 9, 9).contiguous(memory_format=fmt)
+    dy32 = torch.randn(4, 96, 9, 9)
+    runs = []
+    for n in (1, 2, 4):
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            xg = x32.clone().requires_grad_()
+            y = Fn.lrn_across_channels(xg, size, 1e-4, 0.75, 1.0)
+            y.backward(dy32)
+        finally:
+            torch.set_num_threads(before)
+        runs.append((y.detach(), xg.grad))
+    assert torch.equal(runs[0][0], Fn.lrn_across_channels(x32, size, 1e-4, 0.75, 1.0))
+    assert all(torch.equal(a, b) for r in runs[1:] for a, b in zip(r, runs[0]))
 
 
 # -- convolution, deconvolution, im2col ---------------------------------------------------------

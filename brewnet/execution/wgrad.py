@@ -144,7 +144,7 @@ def _run(dy, x, w, stride, pad, dilation, groups, kernel: str, k: int):
         res = list(pool.map(lambda a: fn(*a), parts))
     else:
         res = [_on_one_thread(fn, *a) for a in parts]
-    gw, gb = res[0][0].clone(), res[0][1].clone()
+    gw, gb = res[0]             # fresh tensors of the first chunk's kernel: summed into
     for a, c in res[1:]:        # in chunk order, whoever finished first
         gw.add_(a)
         gb.add_(c)

@@ -118,6 +118,35 @@ def _clamp_flt_max(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y.clamp_min(-FLT_MAX) if grad_needed(x) else y.clamp_min_(-FLT_MAX)
 
 
+class _MaxPool2d(torch.autograd.Function):
+    """Training's MAX pooling where torch visits Caffe's windows: torch's kernel, Caffe's -FLT_MAX
+    floor in place on the fresh top, and in the backward one ``threshold_backward`` (no gradient
+    where the top is -FLT_MAX: Caffe's mask -1, nothing was above it) before torch's scatter;
+    autograd's ``clamp_min`` took a copy forward and ``ge`` + ``where`` backward. Returns
+    (top, indices), the indices not differentiable."""
+
+    @staticmethod
+    def forward(ctx, x, kernel, stride, pad, ceil_mode):
+        y, idx = torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, pad, [1, 1], ceil_mode)
+        y.clamp_min_(-FLT_MAX)
+        ctx.save_for_backward(x, y, idx)
+        ctx.pool = (kernel, stride, pad, ceil_mode)
+        ctx.mark_non_differentiable(idx)
+        ctx.set_materialize_grads(False)    # no zeros for the indices' gradient
+        return y, idx
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy, _didx):
+        if dy is None:
+            return None, None, None, None, None
+        x, y, idx = ctx.saved_tensors
+        kernel, stride, pad, ceil_mode = ctx.pool
+        dy = torch.ops.aten.threshold_backward(dy, y, -FLT_MAX)
+        return torch.ops.aten.max_pool2d_with_indices_backward(
+            dy, x, kernel, stride, pad, [1, 1], ceil_mode, idx), None, None, None, None
+
+
 def max_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints, ceil_mode: bool = True,
                return_mask: bool = False):
     """Caffe MAX pooling of (N, C, H, W); returns ``(top, mask)``.
@@ -134,6 +163,12 @@ def max_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints, ceil_mode
     if _native_pool_ok(in_hw, out_hw, kernel, stride, pad, ceil_mode):
         # Without a mask top no index is converted (torch's CPU max_pool2d still computes its
         # own: aten has no index-free kernel for it, with or without a gradient).
+        if grad_needed(x) and torch.finfo(x.dtype).max >= FLT_MAX and \
+                not torch.compiler.is_compiling():
+            y, idx = _MaxPool2d.apply(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode)
+            if not return_mask:
+                return y, None
+            return y, torch.where(y > -FLT_MAX, idx.to(x.dtype), torch.full_like(y, -1.0))
         if not return_mask:
             y = F.max_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode)
             return _clamp_flt_max(y, x), None
@@ -302,6 +337,8 @@ def lrn_across_channels(x: torch.Tensor, size: int, alpha: float, beta: float,
         not x.is_contiguous()
     if not grad_needed(x):
         return _lrn_scale(x, _channel_window_mean(x * x, size, nhwc), alpha, k, beta)
+    if not torch.compiler.is_compiling():
+        return _LRNAcross.apply(x, size, alpha, beta, k, nhwc)
     if nhwc:
         # NHWC memory: channels are the last axis, so the windows need no layout copy
         sq = (x * x).permute(0, 2, 3, 1).reshape(-1, 1, c)
@@ -314,11 +351,40 @@ def lrn_across_channels(x: torch.Tensor, size: int, alpha: float, beta: float,
     return _lrn_scale(x, mean, alpha, k, beta)
 
 
+class _LRNAcross(torch.autograd.Function):
+    """LRN across channels with Caffe's backward formula (lrn_layer.cpp) instead of autograd's
+    chain through the pooling, pow and products: with ``scale = k + alpha/size * window sum of
+    x^2``, ``dx = dy * scale^-beta - 2 alpha beta / size * x * window sum of dy * y / scale``.
+    The forward is the inference path's (the pooling kernels' bits) keeping ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x, size, alpha, beta, k, nhwc):
+        scale = _channel_window_mean(x * x, size, nhwc).mul_(alpha).add_(k)
+        p = scale.pow(-beta)
+        y = p * x
+        ctx.save_for_backward(x, y, scale, p)
+        ctx.lrn = (size, 2.0 * alpha * beta / size, nhwc)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, y, scale, p = ctx.saved_tensors
+        size, ratio, nhwc = ctx.lrn
+        acc = _channel_window_sum((dy * y).div_(scale), size, nhwc)
+        return (dy * p).addcmul_(x, acc, value=-ratio), None, None, None, None, None
+
+
 def _channel_window_mean(sq: torch.Tensor, size: int, nhwc: bool) -> torch.Tensor:
     """The zero-padded mean of ``sq`` over ``size`` neighbouring channels, as the sums of shifted
     slices of the padded blob: the pooling kernels' bits (each window summed from its first
     channel on, then divided by ``size``), about 3x faster than pooling the many tiny planes of
     (N H W, 1, C) or (N, 1, C, H W). Without a gradient only: the sums are made in place."""
+    return _channel_window_sum(sq, size, nhwc).div_(size)
+
+
+def _channel_window_sum(sq: torch.Tensor, size: int, nhwc: bool) -> torch.Tensor:
+    """``_channel_window_mean``'s sums, not divided: a fresh tensor."""
     if nhwc:
         sq = sq.permute(0, 2, 3, 1)              # a view: channels are the last axis in memory
     dim, c, half = sq.dim() - 1 if nhwc else 1, sq.shape[-1 if nhwc else 1], (size - 1) // 2
@@ -326,7 +392,6 @@ def _channel_window_mean(sq: torch.Tensor, size: int, nhwc: bool) -> torch.Tenso
     acc = p.narrow(dim, 0, c) + p.narrow(dim, 1, c) if size > 1 else p
     for j in range(2, size):
         acc.add_(p.narrow(dim, j, c))
-    acc.div_(size)
     return acc.permute(0, 3, 1, 2) if nhwc else acc
 
 
@@ -375,10 +440,14 @@ def _thread_invariant_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
 class _Conv2d(torch.autograd.Function):
     """torch's 2-D convolution (oneDNN) with a weight gradient of the same bits on every thread
     count: the batch in chunks fixed by the shape, each on one thread (brewnet/execution/wgrad.py).
-    The input gradient is oneDNN's (one thread per output element)."""
+    The input gradient is oneDNN's (one thread per output element). On NHWC activations oneDNN
+    copies an NCHW weight to NHWC in each of the forward, the input and the weight gradient: the
+    copy is made once here and kept for the backward (the same values reach oneDNN)."""
 
     @staticmethod
     def forward(ctx, x, w, b, stride, pad, dilation, groups):
+        if _nhwc(x) and not w.is_contiguous(memory_format=torch.channels_last):
+            w = w.contiguous(memory_format=torch.channels_last)
         ctx.save_for_backward(x, w)
         ctx.conv = (stride, pad, dilation, groups)
         ctx.has_bias = b is not None
@@ -398,6 +467,11 @@ class _Conv2d(torch.autograd.Function):
         if need_w or need_b:
             dw, db = wgrad.weight_grad(dy, x, w, stride, pad, dilation, groups)
         return dx, dw if need_w else None, db if need_b else None, None, None, None, None
+
+
+def _nhwc(x: torch.Tensor) -> bool:
+    return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and \
+        not x.is_contiguous()
 
 
 def conv_nd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Ints,
