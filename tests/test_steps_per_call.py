@@ -319,3 +319,53 @@ def test_a_bad_steps_per_call_switch_is_a_clear_error(monkeypatch, tmp_path):
     s = make(logreg_h5(tmp_path))
     with pytest.raises(ValueError, match=r"BREWNET_STEPS_PER_CALL='yes': expected one of auto, 0"):
         s.step(600)
+
+
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_smoothed_loss_at_once_equals_one_update_per_iteration(window):
+    """steps_per_call.smooth against the solver's own update, iteration by iteration, from an
+    empty, a part-filled and a full window, at offsets that wrap the ring."""
+    from brewnet.solvers.base import Solver
+
+    rng = np.random.default_rng(window)
+
+    class S:
+        _update_smoothed_loss = Solver._update_smoothed_loss
+
+    for filled, offset, k in [(0, 0, 50), (2, 2, 40), (window, 5, 33), (window, 11, 1)]:
+        losses = (rng.standard_normal(k) * 10.0 ** rng.integers(-3, 6, k)).astype(np.float32)
+        a, b = S(), S()
+        for s in (a, b):
+            s.param = pb.SolverParameter(average_loss=window)
+            s.iter, s.smoothed_loss = 100 + offset, np.float32(0)
+            s._losses = []
+            for j in range(min(filled, window)):
+                s._update_smoothed_loss(np.float32(rng.standard_normal() if s is a else 0), 100)
+        b._losses, b.smoothed_loss = list(a._losses), a.smoothed_loss
+        for j, v in enumerate(losses):
+            a.iter = 100 + offset + j
+            a._update_smoothed_loss(v, 100)
+        a.iter = b.iter
+        steps_per_call.smooth(b, losses, 100)
+        assert b.iter == 100 + offset
+        assert np.float32(a.smoothed_loss).tobytes() == np.float32(b.smoothed_loss).tobytes()
+        np.testing.assert_array_equal(np.array(a._losses, np.float32), np.array(b._losses, np.float32))
+
+
+def test_the_loop_runs_no_invariant_node_per_iteration_and_leaves_normal_tensors(tmp_path):
+    """The scripted loop's body is inlined and its invariant nodes hoisted (hoist); what the
+    loop leaves (diffs, tops) are normal tensors: the next eager update writes them in place."""
+    s = make(logreg_h5(tmp_path))
+    s.step(300)             # the step graph is recorded during this call: the loop runs next
+    s.step(300)
+    assert loops_ran(s)
+    graph = s._steps_runner.loop.forward.graph
+    loop = next(n for n in graph.nodes() if n.kind() == "prim::Loop")
+    kinds = [n.kind() for n in list(loop.blocks())[0].nodes()]
+    assert "prim::CallMethod" not in kinds and "prim::Constant" not in kinds
+    assert "aten::addmm" in kinds and "aten::t" in kinds      # t of the product's gradient
+    assert kinds.count("aten::t") == 1        # the weight's transpose moved before the loop
+    assert not any(t.grad.is_inference() for t in s.net.learnable)
+    assert not any(b.tensor.is_inference() for b in s.net.blobs.values())
+    s._store_steps()
+    s.step(5)                                 # single steps (fewer than MIN_K) after the loop
