@@ -365,6 +365,10 @@ def test_the_loop_runs_no_invariant_node_per_iteration_and_leaves_normal_tensors
     assert "prim::CallMethod" not in kinds and "prim::Constant" not in kinds
     assert "aten::addmm" in kinds and "aten::t" in kinds      # t of the product's gradient
     assert kinds.count("aten::t") == 1        # the weight's transpose moved before the loop
+    assert "prim::Loop" not in kinds and kinds.count("aten::select") == 4   # data, label, rates
+    assert "prim::ListConstruct" in kinds and all(      # the outputs' list; int lists moved out
+        str(n.output().type()) == "List[Tensor]" for n in list(loop.blocks())[0].nodes()
+        if n.kind() == "prim::ListConstruct")
     assert not any(t.grad.is_inference() for t in s.net.learnable)
     assert not any(b.tensor.is_inference() for b in s.net.blobs.values())
     s._store_steps()

@@ -275,33 +275,71 @@ def _set(gm, name: str, t: torch.Tensor) -> None:
 _INVARIANT = {"prim::Constant", "prim::GetAttr", "prim::ListUnpack", "aten::t", "aten::view",
               "aten::transpose", "aten::permute", "aten::unsqueeze", "aten::squeeze",
               "aten::expand", "aten::select", "aten::slice", "aten::detach", "aten::alias"}
-_SCALAR_LISTS = ("int[]", "float[]", "bool[]")
 _LIST_WRITES = ("aten::append", "aten::insert", "aten::_set_item", "aten::extend", "aten::clear",
                 "aten::pop", "aten::remove")
 
 
 def hoist(graph) -> int:
-    """Inline the body into ``graph``'s loop and move its loop-invariant nodes before the loop
-    (the interpreter then runs fewer instructions per iteration; every aten kernel the
-    iterations run is unchanged): how many moved."""
+    """Inline the body into ``graph``'s loop, select each input's batch directly, and move the
+    loop's invariant nodes before it (the interpreter then runs fewer instructions per
+    iteration; every aten kernel the iterations run is unchanged): how many moved."""
     torch._C._jit_pass_inline(graph)
     loop = next((n for n in graph.nodes() if n.kind() == "prim::Loop"), None)
     if loop is None:
         return 0
     block = list(loop.blocks())[0]
+    _direct_selects(graph, loop, block)
     inside = {v.unique() for v in block.inputs()}
     inside |= {v.unique() for n in block.nodes() for v in n.outputs()}
     moved = 0
     for n in list(block.nodes()):
         kind = n.kind()
         ok = kind in _INVARIANT or (
-            kind == "prim::ListConstruct" and str(n.output().type()) in _SCALAR_LISTS
+            kind == "prim::ListConstruct" and _scalar_list(n.output())
             and not any(u.user.kind() in _LIST_WRITES for u in n.output().uses()))
         if ok and not list(n.blocks()) and not any(v.unique() in inside for v in n.inputs()):
             n.moveBefore(loop)
             inside -= {v.unique() for v in n.outputs()}
             moved += 1
     return moved
+
+
+def _scalar_list(v) -> bool:
+    t = v.type()
+    return t.kind() == "ListType" and str(t.getElementType()) in ("int", "float", "bool")
+
+
+def _direct_selects(graph, loop, block) -> bool:
+    """_Loop's ``[x[k] for x in xs]`` (an inner loop appending x.select(0, k) to a fresh list
+    that the body unpacks) as xs unpacked once before the loop and one select per x."""
+    made = [n for n in block.nodes() if n.kind() == "prim::ListConstruct" and n.inputsSize() == 0]
+    for lst in made:
+        users = [u.user for u in lst.output().uses()]
+        unpack = next((u for u in users if u.kind() == "prim::ListUnpack"), None)
+        append = next((u for u in users if u.kind() == "aten::append"), None)
+        if len(users) != 2 or unpack is None or append is None:
+            continue
+        inner, sel = append.owningBlock().owningNode(), append.inputsAt(1).node()
+        get = sel.inputsAt(0).node()
+        if (inner.kind() != "prim::Loop" or sel.kind() != "aten::select"
+                or get.kind() != "aten::__getitem__" or inner.owningBlock() != block):
+            continue
+        count = inner.inputsAt(0).node()                      # aten::len(xs)
+        xs = graph.create("prim::ListUnpack", [get.inputsAt(0)], unpack.outputsSize())
+        xs.insertBefore(loop)
+        for i, out in enumerate(unpack.outputs()):
+            xs.outputsAt(i).setType(torch._C.TensorType.get())
+            one = graph.create("aten::select", [xs.outputsAt(i), sel.inputsAt(1), sel.inputsAt(2)], 1)
+            one.insertBefore(unpack)
+            one.output().setType(out.type())
+            out.replaceAllUsesWith(one.output())
+        unpack.destroy()
+        inner.destroy()
+        lst.destroy()
+        if not count.output().uses():
+            count.destroy()
+        return True
+    return False
 
 
 class Runner:
