@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import List
 
 import numpy as np
 import pytest
@@ -373,3 +374,32 @@ def test_the_loop_runs_no_invariant_node_per_iteration_and_leaves_normal_tensors
     assert not any(b.tensor.is_inference() for b in s.net.blobs.values())
     s._store_steps()
     s.step(5)                                 # single steps (fewer than MIN_K) after the loop
+
+
+class _Mixed(torch.nn.Module):
+    """A loop with a list written inside it, loop-variant views and an invariant view."""
+
+    def forward(self, w: torch.Tensor, n: int) -> List[torch.Tensor]:
+        seen: List[torch.Tensor] = [w]
+        outs: List[torch.Tensor] = []
+        for _ in range(n):
+            (a,) = seen                        # unpacks a list written in the loop: stays
+            outs.append(a.t() * 1.5)           # a view of a loop-variant value: stays
+            seen[0] = a + w.t().sum()          # w.t(): invariant view, moves; sum: stays
+            w.add_(1.0)
+        return outs
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch.jit's own notice
+def test_hoist_moves_only_what_is_the_same_at_every_iteration():
+    m = torch.jit.script(_Mixed())
+    assert steps_per_call.hoist(m.forward.graph) >= 1
+    loop = next(n for n in m.forward.graph.nodes() if n.kind() == "prim::Loop")
+    kinds = [n.kind() for n in list(loop.blocks())[0].nodes()]
+    assert kinds.count("aten::t") == 1 and "prim::ListUnpack" in kinds and "aten::sum" in kinds
+    w = torch.arange(6.0).reshape(2, 3)
+    want = _Mixed().forward(w.clone(), 4)
+    with torch.jit.optimized_execution(False):
+        got = m(w.clone(), 4)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)

@@ -294,9 +294,9 @@ def hoist(graph) -> int:
     moved = 0
     for n in list(block.nodes()):
         kind = n.kind()
-        ok = kind in _INVARIANT or (
-            kind == "prim::ListConstruct" and _scalar_list(n.output())
-            and not any(u.user.kind() in _LIST_WRITES for u in n.output().uses()))
+        lists = [v for v in [*n.inputs(), *n.outputs()] if v.type().kind() == "ListType"]
+        ok = ((kind in _INVARIANT or (kind == "prim::ListConstruct" and _scalar_list(n.output())))
+              and not any(u.user.kind() in _LIST_WRITES for v in lists for u in v.uses()))
         if ok and not list(n.blocks()) and not any(v.unique() in inside for v in n.inputs()):
             n.moveBefore(loop)
             inside -= {v.unique() for v in n.outputs()}
@@ -323,6 +323,11 @@ def _direct_selects(graph, loop, block) -> bool:
         get = sel.inputsAt(0).node()
         if (inner.kind() != "prim::Loop" or sel.kind() != "aten::select"
                 or get.kind() != "aten::__getitem__" or inner.owningBlock() != block):
+            continue
+        body = list(inner.blocks())[0]
+        local = {v.unique() for v in body.inputs()}
+        local |= {v.unique() for n in body.nodes() for v in n.outputs()}
+        if any(sel.inputsAt(i).unique() in local for i in (1, 2)):   # dim and k from outside
             continue
         count = inner.inputsAt(0).node()                      # aten::len(xs)
         xs = graph.create("prim::ListUnpack", [get.inputsAt(0)], unpack.outputsSize())
