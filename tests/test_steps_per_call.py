@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from brewnet.execution import steps_per_call
+from brewnet.execution import loop_passes, steps_per_call
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto import parse_text
 from brewnet.solvers import SOLVERS, LossNotFiniteError
@@ -366,7 +366,10 @@ def test_the_loop_runs_no_invariant_node_per_iteration_and_leaves_normal_tensors
     assert "prim::CallMethod" not in kinds and "prim::Constant" not in kinds
     assert "aten::addmm" in kinds and "aten::t" in kinds      # t of the product's gradient
     assert kinds.count("aten::t") == 1        # the weight's transpose moved before the loop
-    assert "prim::Loop" not in kinds and kinds.count("aten::select") == 4   # data, label, rates
+    # one select a data top, one the rates' row, one the rate; the label's view, cast to long
+    # and view run once on the K batches before the loop (a select each for its two uses)
+    assert "prim::Loop" not in kinds and kinds.count("aten::select") == 5
+    assert "aten::to" not in kinds and kinds.count("aten::view") == 1     # the bias diff's view
     assert "prim::ListConstruct" in kinds and all(      # the outputs' list; int lists moved out
         str(n.output().type()) == "List[Tensor]" for n in list(loop.blocks())[0].nodes()
         if n.kind() == "prim::ListConstruct")
@@ -393,7 +396,7 @@ class _Mixed(torch.nn.Module):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch.jit's own notice
 def test_hoist_moves_only_what_is_the_same_at_every_iteration():
     m = torch.jit.script(_Mixed())
-    assert steps_per_call.hoist(m.forward.graph) >= 1
+    assert loop_passes.hoist(m.forward.graph) >= 1
     loop = next(n for n in m.forward.graph.nodes() if n.kind() == "prim::Loop")
     kinds = [n.kind() for n in list(loop.blocks())[0].nodes()]
     assert kinds.count("aten::t") == 1 and "prim::ListUnpack" in kinds and "aten::sum" in kinds
@@ -403,3 +406,35 @@ def test_hoist_moves_only_what_is_the_same_at_every_iteration():
         got = m(w.clone(), 4)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
+
+
+class _Data(torch.nn.Module):
+    """_Loop's way of taking a batch, then a view and cast (moves), a cast of a batch written
+    in place (stays), a view with -1 in its size (stays)."""
+
+    def forward(self, xs: List[torch.Tensor], n: int) -> List[torch.Tensor]:
+        outs: List[torch.Tensor] = []
+        for k in range(n):
+            a, b, c = [x[k] for x in xs]
+            outs.append(a.view(2, 3).to(torch.int64) * 2)
+            b.mul_(2.0)
+            outs.append(b.to(torch.int64))
+            outs.append(c.view(-1, 2))
+        return outs
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch.jit's own notice
+def test_casts_and_views_of_a_batch_run_once_on_all_batches():
+    m = torch.jit.script(_Data())
+    loop_passes.hoist(m.forward.graph)
+    loop = next(n for n in m.forward.graph.nodes() if n.kind() == "prim::Loop")
+    kinds = [n.kind() for n in list(loop.blocks())[0].nodes()]
+    assert kinds.count("aten::to") == 1 and kinds.count("aten::view") == 1
+    assert "aten::reshape" not in kinds and "prim::Loop" not in kinds
+    xs = [torch.arange(30.0).reshape(5, 6) * 0.7, torch.arange(20.0).reshape(5, 4) / 3,
+          torch.arange(20.0).reshape(5, 4)]
+    want = _Data().forward([x.clone() for x in xs], 5)
+    with torch.jit.optimized_execution(False):
+        got = m([x.clone() for x in xs], 5)
+    for a, b in zip(want, got, strict=True):
+        assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)

@@ -5,7 +5,7 @@ every iteration. Between two observable points (a display, a test, a snapshot, t
 ``solver.step``/``solve`` run the K iterations as one call: the data layers' next K batches read
 ahead as tensors, the K rates (and a rule's iteration scalars) computed ahead on the host, and the
 recorded forward-backward and recorded update (recorded_update.py) traced into one TorchScript
-body that a scripted loop runs K times unoptimised (inlined, invariant nodes hoisted, inference
+body that a scripted loop runs K times unoptimised (its graph passes: loop_passes.py; in inference
 mode): the same aten kernels, no fusion. The K losses come back and the smoothed loss is updated
 on the host as the loop does. Invariant: the bits of K single steps, compared at the first call
 (a difference keeps single steps, logged). Refused: a callback, a train_feed, clipping (a log
@@ -25,7 +25,7 @@ import torch
 
 from ..blob import diff_viewed
 from ..solvers.lr_policy import policy
-from . import determinism, recorded_update
+from . import determinism, loop_passes, recorded_update
 from .fast_path import FAILED, FastPath
 from .process import env_switch
 from .recorded_step import as_param_grad
@@ -270,83 +270,6 @@ def _set(gm, name: str, t: torch.Tensor) -> None:
     object.__setattr__(gm, name, t)
 
 
-# Loop-invariant nodes that yield the same value at every iteration however the params change in
-# place: constants, module attributes, unpacking the argument lists, int lists, views of tensors.
-_INVARIANT = {"prim::Constant", "prim::GetAttr", "prim::ListUnpack", "aten::t", "aten::view",
-              "aten::transpose", "aten::permute", "aten::unsqueeze", "aten::squeeze",
-              "aten::expand", "aten::select", "aten::slice", "aten::detach", "aten::alias"}
-_LIST_WRITES = ("aten::append", "aten::insert", "aten::_set_item", "aten::extend", "aten::clear",
-                "aten::pop", "aten::remove")
-
-
-def hoist(graph) -> int:
-    """Inline the body into ``graph``'s loop, select each input's batch directly, and move the
-    loop's invariant nodes before it (the interpreter then runs fewer instructions per
-    iteration; every aten kernel the iterations run is unchanged): how many moved."""
-    torch._C._jit_pass_inline(graph)
-    loop = next((n for n in graph.nodes() if n.kind() == "prim::Loop"), None)
-    if loop is None:
-        return 0
-    block = list(loop.blocks())[0]
-    _direct_selects(graph, loop, block)
-    inside = {v.unique() for v in block.inputs()}
-    inside |= {v.unique() for n in block.nodes() for v in n.outputs()}
-    moved = 0
-    for n in list(block.nodes()):
-        kind = n.kind()
-        lists = [v for v in [*n.inputs(), *n.outputs()] if v.type().kind() == "ListType"]
-        ok = ((kind in _INVARIANT or (kind == "prim::ListConstruct" and _scalar_list(n.output())))
-              and not any(u.user.kind() in _LIST_WRITES for v in lists for u in v.uses()))
-        if ok and not list(n.blocks()) and not any(v.unique() in inside for v in n.inputs()):
-            n.moveBefore(loop)
-            inside -= {v.unique() for v in n.outputs()}
-            moved += 1
-    return moved
-
-
-def _scalar_list(v) -> bool:
-    t = v.type()
-    return t.kind() == "ListType" and str(t.getElementType()) in ("int", "float", "bool")
-
-
-def _direct_selects(graph, loop, block) -> bool:
-    """_Loop's ``[x[k] for x in xs]`` (an inner loop appending x.select(0, k) to a fresh list
-    that the body unpacks) as xs unpacked once before the loop and one select per x."""
-    made = [n for n in block.nodes() if n.kind() == "prim::ListConstruct" and n.inputsSize() == 0]
-    for lst in made:
-        users = [u.user for u in lst.output().uses()]
-        unpack = next((u for u in users if u.kind() == "prim::ListUnpack"), None)
-        append = next((u for u in users if u.kind() == "aten::append"), None)
-        if len(users) != 2 or unpack is None or append is None:
-            continue
-        inner, sel = append.owningBlock().owningNode(), append.inputsAt(1).node()
-        get = sel.inputsAt(0).node()
-        if (inner.kind() != "prim::Loop" or sel.kind() != "aten::select"
-                or get.kind() != "aten::__getitem__" or inner.owningBlock() != block):
-            continue
-        body = list(inner.blocks())[0]
-        local = {v.unique() for v in body.inputs()}
-        local |= {v.unique() for n in body.nodes() for v in n.outputs()}
-        if any(sel.inputsAt(i).unique() in local for i in (1, 2)):   # dim and k from outside
-            continue
-        count = inner.inputsAt(0).node()                      # aten::len(xs)
-        xs = graph.create("prim::ListUnpack", [get.inputsAt(0)], unpack.outputsSize())
-        xs.insertBefore(loop)
-        for i, out in enumerate(unpack.outputs()):
-            xs.outputsAt(i).setType(torch._C.TensorType.get())
-            one = graph.create("aten::select", [xs.outputsAt(i), sel.inputsAt(1), sel.inputsAt(2)], 1)
-            one.insertBefore(unpack)
-            one.output().setType(out.type())
-            out.replaceAllUsesWith(one.output())
-        unpack.destroy()
-        inner.destroy()
-        lst.destroy()
-        if not count.output().uses():
-            count.destroy()
-        return True
-    return False
-
-
 class Runner:
     """One step graph's K-iteration loop: built at the first call, checked, then reused."""
 
@@ -390,7 +313,7 @@ class Runner:
                 warnings.simplefilter("ignore", DeprecationWarning)   # torch.jit's own notice
                 traced = torch.jit.trace(body, example, check_trace=False, strict=False)
                 loop = torch.jit.script(_Loop(traced))
-                hoist(loop.forward.graph)
+                loop_passes.hoist(loop.forward.graph)
         finally:
             s.history = history
             for name, c in zip(attrs(g.gm), consts):
