@@ -438,3 +438,13 @@ def test_casts_and_views_of_a_batch_run_once_on_all_batches():
         got = m([x.clone() for x in xs], 5)
     for a, b in zip(want, got, strict=True):
         assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("solver_type,extra,lr", [("AdaGrad", "momentum: 0", "0.01"),
+                                                  ("RMSProp", "momentum: 0 rms_decay: 0.98", "0.01"),
+                                                  ("AdaDelta", "momentum: 0.95", "1.0")])
+def test_other_rules_equal_single_steps_bitwise(monkeypatch, tmp_path, solver_type, extra, lr):
+    net = logreg_h5(tmp_path)
+    single, several = both(monkeypatch, lambda: make(net, solver_type, extra, lr), [600, 37, 451])
+    assert loops_ran(several)
+    assert_same(single, several)
