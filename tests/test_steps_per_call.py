@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import List
 
 import numpy as np
 import pytest
 import torch
 
-from brewnet.execution import steps_per_call
+from brewnet.execution import loop_passes, steps_per_call
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto import parse_text
 from brewnet.solvers import SOLVERS, LossNotFiniteError
@@ -319,3 +320,131 @@ def test_a_bad_steps_per_call_switch_is_a_clear_error(monkeypatch, tmp_path):
     s = make(logreg_h5(tmp_path))
     with pytest.raises(ValueError, match=r"BREWNET_STEPS_PER_CALL='yes': expected one of auto, 0"):
         s.step(600)
+
+
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_smoothed_loss_at_once_equals_one_update_per_iteration(window):
+    """steps_per_call.smooth against the solver's own update, iteration by iteration, from an
+    empty, a part-filled and a full window, at offsets that wrap the ring."""
+    from brewnet.solvers.base import Solver
+
+    rng = np.random.default_rng(window)
+
+    class S:
+        _update_smoothed_loss = Solver._update_smoothed_loss
+
+    for filled, offset, k in [(0, 0, 50), (2, 2, 40), (window, 5, 33), (window, 11, 1)]:
+        losses = (rng.standard_normal(k) * 10.0 ** rng.integers(-3, 6, k)).astype(np.float32)
+        a, b = S(), S()
+        for s in (a, b):
+            s.param = pb.SolverParameter(average_loss=window)
+            s.iter, s.smoothed_loss = 100 + offset, np.float32(0)
+            s._losses = []
+            for j in range(min(filled, window)):
+                s._update_smoothed_loss(np.float32(rng.standard_normal() if s is a else 0), 100)
+        b._losses, b.smoothed_loss = list(a._losses), a.smoothed_loss
+        for j, v in enumerate(losses):
+            a.iter = 100 + offset + j
+            a._update_smoothed_loss(v, 100)
+        a.iter = b.iter
+        steps_per_call.smooth(b, losses, 100)
+        assert b.iter == 100 + offset
+        assert np.float32(a.smoothed_loss).tobytes() == np.float32(b.smoothed_loss).tobytes()
+        np.testing.assert_array_equal(np.array(a._losses, np.float32), np.array(b._losses, np.float32))
+
+
+def test_the_loop_runs_no_invariant_node_per_iteration_and_leaves_normal_tensors(tmp_path):
+    """The scripted loop's body is inlined and its invariant nodes hoisted (hoist); what the
+    loop leaves (diffs, tops) are normal tensors: the next eager update writes them in place."""
+    s = make(logreg_h5(tmp_path))
+    s.step(300)             # the step graph is recorded during this call: the loop runs next
+    s.step(300)
+    assert loops_ran(s)
+    graph = s._steps_runner.loop.forward.graph
+    loop = next(n for n in graph.nodes() if n.kind() == "prim::Loop")
+    kinds = [n.kind() for n in list(loop.blocks())[0].nodes()]
+    assert "prim::CallMethod" not in kinds and "prim::Constant" not in kinds
+    assert "aten::addmm" in kinds and "aten::t" in kinds      # t of the product's gradient
+    assert kinds.count("aten::t") == 1        # the weight's transpose moved before the loop
+    # one select a data top, one the rates' row, one the rate; the label's view, cast to long
+    # and view run once on the K batches before the loop (a select each for its two uses)
+    assert "prim::Loop" not in kinds and kinds.count("aten::select") == 5
+    assert "aten::to" not in kinds and kinds.count("aten::view") == 1     # the bias diff's view
+    assert "prim::ListConstruct" in kinds and all(      # the outputs' list; int lists moved out
+        str(n.output().type()) == "List[Tensor]" for n in list(loop.blocks())[0].nodes()
+        if n.kind() == "prim::ListConstruct")
+    assert not any(t.grad.is_inference() for t in s.net.learnable)
+    assert not any(b.tensor.is_inference() for b in s.net.blobs.values())
+    s._store_steps()
+    s.step(5)                                 # single steps (fewer than MIN_K) after the loop
+
+
+class _Mixed(torch.nn.Module):
+    """A loop with a list written inside it, loop-variant views and an invariant view."""
+
+    def forward(self, w: torch.Tensor, n: int) -> List[torch.Tensor]:
+        seen: List[torch.Tensor] = [w]
+        outs: List[torch.Tensor] = []
+        for _ in range(n):
+            (a,) = seen                        # unpacks a list written in the loop: stays
+            outs.append(a.t() * 1.5)           # a view of a loop-variant value: stays
+            seen[0] = a + w.t().sum()          # w.t(): invariant view, moves; sum: stays
+            w.add_(1.0)
+        return outs
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch.jit's own notice
+def test_hoist_moves_only_what_is_the_same_at_every_iteration():
+    m = torch.jit.script(_Mixed())
+    assert loop_passes.hoist(m.forward.graph) >= 1
+    loop = next(n for n in m.forward.graph.nodes() if n.kind() == "prim::Loop")
+    kinds = [n.kind() for n in list(loop.blocks())[0].nodes()]
+    assert kinds.count("aten::t") == 1 and "prim::ListUnpack" in kinds and "aten::sum" in kinds
+    w = torch.arange(6.0).reshape(2, 3)
+    want = _Mixed().forward(w.clone(), 4)
+    with torch.jit.optimized_execution(False):
+        got = m(w.clone(), 4)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+
+
+class _Data(torch.nn.Module):
+    """_Loop's way of taking a batch, then a view and cast (moves), a cast of a batch written
+    in place (stays), a view with -1 in its size (stays)."""
+
+    def forward(self, xs: List[torch.Tensor], n: int) -> List[torch.Tensor]:
+        outs: List[torch.Tensor] = []
+        for k in range(n):
+            a, b, c = [x[k] for x in xs]
+            outs.append(a.view(2, 3).to(torch.int64) * 2)
+            b.mul_(2.0)
+            outs.append(b.to(torch.int64))
+            outs.append(c.view(-1, 2))
+        return outs
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch.jit's own notice
+def test_casts_and_views_of_a_batch_run_once_on_all_batches():
+    m = torch.jit.script(_Data())
+    loop_passes.hoist(m.forward.graph)
+    loop = next(n for n in m.forward.graph.nodes() if n.kind() == "prim::Loop")
+    kinds = [n.kind() for n in list(loop.blocks())[0].nodes()]
+    assert kinds.count("aten::to") == 1 and kinds.count("aten::view") == 1
+    assert "aten::reshape" not in kinds and "prim::Loop" not in kinds
+    xs = [torch.arange(30.0).reshape(5, 6) * 0.7, torch.arange(20.0).reshape(5, 4) / 3,
+          torch.arange(20.0).reshape(5, 4)]
+    want = _Data().forward([x.clone() for x in xs], 5)
+    with torch.jit.optimized_execution(False):
+        got = m([x.clone() for x in xs], 5)
+    for a, b in zip(want, got, strict=True):
+        assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("solver_type,extra,lr", [("AdaGrad", "momentum: 0", "0.01"),
+                                                  ("RMSProp", "momentum: 0 rms_decay: 0.98", "0.01"),
+                                                  ("AdaDelta", "momentum: 0.95", "1.0")])
+def test_other_rules_equal_single_steps_bitwise(monkeypatch, tmp_path, solver_type, extra, lr):
+    net = logreg_h5(tmp_path)
+    single, several = both(monkeypatch, lambda: make(net, solver_type, extra, lr), [600, 37, 451])
+    assert loops_ran(several)
+    assert_same(single, several)

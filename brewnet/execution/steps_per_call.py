@@ -5,11 +5,12 @@ every iteration. Between two observable points (a display, a test, a snapshot, t
 ``solver.step``/``solve`` run the K iterations as one call: the data layers' next K batches read
 ahead as tensors, the K rates (and a rule's iteration scalars) computed ahead on the host, and the
 recorded forward-backward and recorded update (recorded_update.py) traced into one TorchScript
-body that a scripted loop runs K times unoptimised: the same aten kernels, no fusion. The K losses
-come back and the smoothed loss is updated on the host as the loop does. Invariant: the bits of K
-single steps, compared at the first call (a difference keeps single steps, logged). Refused: a
-callback, a train_feed, clipping (a log line each iteration), a rule of the user's, data parallel,
-a numpy view of a diff, a device other than the CPU. A bad label or non-finite loss in the K
+body that a scripted loop runs K times unoptimised (its graph passes: loop_passes.py; in inference
+mode): the same aten kernels, no fusion. The K losses come back and the smoothed loss is updated
+on the host as the loop does. Invariant: the bits of K single steps, compared at the first call
+(a difference keeps single steps, logged). Refused: a callback, a train_feed, clipping (a log
+line each iteration), a rule of the user's, data parallel, a numpy view of a diff, a device other
+than the CPU. A bad label or non-finite loss in the K
 restores the state and runs the K as single steps on the batches read, which raise where they
 would. ``BREWNET_STEPS_PER_CALL=0`` off. Measurements: docs/performance.md, *Tiny nets*.
 """
@@ -24,7 +25,7 @@ import torch
 
 from ..blob import diff_viewed
 from ..solvers.lr_policy import policy
-from . import determinism, recorded_update
+from . import determinism, loop_passes, recorded_update
 from .fast_path import FAILED, FastPath
 from .process import env_switch
 from .recorded_step import as_param_grad
@@ -97,16 +98,39 @@ def run(solver, start_iter: int, stop_iter: int) -> int:
         determinism.blas_on_one_thread()
         solver.threads.discard()          # not one iteration: left out of the thread timing
         done, losses = runner(k)
-    i0 = solver.iter
-    try:
-        for j, v in enumerate(losses):
-            solver.iter = i0 + j
-            solver._update_smoothed_loss(f32(v), start_iter)
-    finally:
-        solver.iter = i0
+    smooth(solver, losses, start_iter)
     if done:
         solver.loss = f32(losses[-1])
     return done
+
+
+def smooth(solver, losses: np.ndarray, start_iter: int) -> None:
+    """``solver._update_smoothed_loss`` for each of the float32 ``losses`` in turn (iterations
+    ``solver.iter`` on), vectorised once the window is full: each iteration's increment
+    (loss - the loss it replaces) / n is elementwise, and their running float32 sum in order
+    (``np.add.accumulate`` adds one after another) is the same arithmetic as the loop's."""
+    n, buf, i0, j = solver.param.average_loss, solver._losses, solver.iter, 0
+    try:
+        while j < len(losses) and len(buf) < n:
+            solver.iter = i0 + j
+            solver._update_smoothed_loss(losses[j], start_iter)
+            j += 1
+    finally:
+        solver.iter = i0
+    new = np.asarray(losses[j:], dtype=f32)
+    k = len(new)
+    if k == 0:
+        return
+    idx = (i0 + j - start_iter) % n
+    ring = np.asarray(buf[idx:] + buf[:idx], dtype=f32)       # the losses in replacing order
+    replaced = np.concatenate([ring, new])[:k]
+    steps = np.empty(k + 1, dtype=f32)
+    steps[0] = solver.smoothed_loss
+    np.divide(new - replaced, f32(n), out=steps[1:])
+    solver.smoothed_loss = np.add.accumulate(steps, dtype=f32)[-1]
+    window = np.concatenate([ring, new])[-n:]                  # idx + k onwards, in order
+    at = (idx + k) % n
+    buf[:] = [f32(v) for v in np.roll(window, at)]
 
 
 def stage(graph, k: int) -> tuple[list[torch.Tensor], list, BaseException | None]:
@@ -119,7 +143,7 @@ def stage(graph, k: int) -> tuple[list[torch.Tensor], list, BaseException | None
     net = graph.net
     data = [i for i in graph.sources if net.layer_list[i].type != "Input"]
     parts = {i: [[] for _ in net.top_lists[i]] for i in data}
-    origins: dict[int, list] = {i: [] for i in data}
+    origins = {i: _Origins() for i in data}
     take = getattr(net.layer_list[data[0]], "take_batches", None) if len(data) == 1 else None
     n, error = 0, None
     while n < k:
@@ -129,7 +153,7 @@ def stage(graph, k: int) -> tuple[list[torch.Tensor], list, BaseException | None
                 tops, origin = got
                 for p, t in zip(parts[data[0]], tops):
                     p.append(t)
-                origins[data[0]] += [lambda b, j=j, f=origin: f(j) for j in range(tops[0].shape[0])]
+                origins[data[0]].add(origin, tops[0].shape[0])
                 n += tops[0].shape[0]
                 continue
             for i in data:
@@ -138,7 +162,7 @@ def stage(graph, k: int) -> tuple[list[torch.Tensor], list, BaseException | None
                 for p, t in zip(parts[i], tops):
                     p.append(t)
                 noted = getattr(layer, "batch_origin", None)
-                origins[i].append(lambda b, o=noted and noted[0]: o)
+                origins[i].add(lambda j, o=noted and noted[0]: o, 1)
             n += 1
         except Exception as e:     # noqa: BLE001 - raised again at its iteration (StepGraph._inputs)
             error = e
@@ -153,7 +177,26 @@ def stage(graph, k: int) -> tuple[list[torch.Tensor], list, BaseException | None
         else:
             out += [net.blobs[m].tensor.detach().unsqueeze(0).expand(n, *net.blobs[m].shape)
                     for m in names]
-    return out, [(net.layer_list[i], origins[i][:n]) for i in data], error
+    return out, [(net.layer_list[i], origins[i]) for i in data], error
+
+
+class _Origins:
+    """A data layer's staged batches' origins as runs (a function of the batch's index in its
+    run, the run's length): nothing is made per batch unless single steps take the batches."""
+
+    def __init__(self):
+        self.runs: list = []
+
+    def add(self, origin, count: int) -> None:
+        self.runs.append((origin, count))
+
+    def __getitem__(self, j: int):
+        """Batch ``j``'s origin, as a callable of one (unread) argument, as _inputs calls it."""
+        for origin, count in self.runs:
+            if j < count:
+                return lambda b, f=origin, j=j: f(j)
+            j -= count
+        raise IndexError(j)
 
 
 def labels_ok(graph, xs) -> bool:
@@ -270,6 +313,7 @@ class Runner:
                 warnings.simplefilter("ignore", DeprecationWarning)   # torch.jit's own notice
                 traced = torch.jit.trace(body, example, check_trace=False, strict=False)
                 loop = torch.jit.script(_Loop(traced))
+                loop_passes.hoist(loop.forward.graph)
         finally:
             s.history = history
             for name, c in zip(attrs(g.gm), consts):
@@ -315,8 +359,11 @@ class Runner:
         s, g = self.solver, self.graph
         consts = [getattr(g.gm, n).detach() for n in attrs(g.gm)]
         params = [t.detach() for t in s.net.learnable]
-        with torch.no_grad(), torch.jit.optimized_execution(False):
+        # inference mode: no autograd bookkeeping per op (the same kernels); the params and
+        # history stay normal tensors updated in place, the outputs leave as normal tensors
+        with torch.inference_mode(), torch.jit.optimized_execution(False):
             out = self.loop(xs, scalars, start, stop, consts, params, list(s.history))
+        out = [t.clone() if t.is_inference() else t for t in out]
         return out[:-1], out[-1]
 
     def __call__(self, k: int) -> tuple[int, list]:
@@ -348,7 +395,7 @@ class Runner:
             return self._undo(xs, before, step0)
         s.current_step = step
         self._finish(xs, out)
-        return k, losses.tolist()
+        return k, losses.numpy()
 
     def _steps(self, out) -> list[torch.Tensor]:
         """The param diffs of the loop's last iteration, holding its steps (as a store would)."""
