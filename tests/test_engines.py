@@ -247,7 +247,8 @@ def test_one_thread_onnxruntime_is_tried_for_short_calls_only(cache, monkeypatch
     monkeypatch.setattr(engines, "cores", lambda: 2)
     picked = []
     real = engines.measure
-    monkeypatch.setattr(engines, "measure", lambda runners, xs: picked.append(dict(runners)) or real(runners, xs))
+    monkeypatch.setattr(engines, "measure",
+                        lambda runners, xs, **kw: picked.append(dict(runners)) or real(runners, xs, **kw))
     net = Net(str(LENET), brewnet.TEST)
     xs = inputs(net)
     got = outputs(net, xs)

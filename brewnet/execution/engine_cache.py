@@ -20,7 +20,7 @@ import torch
 
 log = logging.getLogger("brewnet")
 FORMAT = 1          # the choices file's layout; another value is refused (and rewritten)
-CANDIDATES = 2      # the set auto weighs: a choice made among another set is measured again
+CANDIDATES = 3      # the set auto weighs, and how: a choice made otherwise is measured again
                     # (2: ONNX Runtime on one thread for short calls)
 
 

@@ -323,10 +323,15 @@ def cached_choice(net, shapes) -> tuple[dict, dict | None]:
     return key, engine_cache.ChoiceCache().get(key)
 
 
-def measure(runners: dict, xs, budget_s: float = MEASURE_S) -> dict[str, float]:
+def measure(runners: dict, xs, budget_s: float = MEASURE_S, direct: bool = False) -> dict[str, float]:
     """Seconds per call of each runner on ``xs`` (its fastest), alternating, within ``budget_s``. Each
     timed call follows an untimed one of the same runner: ONNX Runtime's and OpenCV's threads
-    spin for a while after a call and would slow whichever runner comes next."""
+    spin for a while after a call and would slow whichever runner comes next. ``direct``: an
+    engine with numpy I/O is timed on arrays, as its steady call runs (LeanForward.direct)."""
+    if direct:
+        arrays = [x.detach().contiguous().numpy() for x in xs]
+        runners = {k: (lambda _, r=r: r.arrays(arrays)) if hasattr(r, "arrays") else r
+                   for k, r in runners.items()}
     for fn in runners.values():
         warm(fn, xs)
     times = {k: [] for k in runners}
@@ -417,7 +422,7 @@ def pick(lean, xs):
         choice = next(iter(reversed(runners)))
     else:
         with torch.no_grad():
-            ms = {k: 1e3 * v for k, v in measure(runners, xs).items()}
+            ms = {k: 1e3 * v for k, v in measure(runners, xs, direct=lean.cut is None).items()}
         choice = min(ms, key=ms.get)
         engine_cache.ChoiceCache().put(key, choice, ms)
         log.info("Net '%s': engine %s (measured: %s)", net.name, choice, describe(ms))
