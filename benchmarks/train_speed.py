@@ -34,13 +34,12 @@ import brewnet  # noqa: E402,F401,I001  (before torch: MKL's strict mode, OpenMP
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from brewnet.analysis.timing import time_net  # noqa: E402
-from brewnet.execution import determinism, process, threads, wgrad  # noqa: E402
+from brewnet.execution import determinism, process, wgrad  # noqa: E402
 from brewnet.layers import functional as Fn  # noqa: E402
-from brewnet.net import Net  # noqa: E402
 from brewnet.proto import caffe_pb2 as pb  # noqa: E402
 from conv_wgrad import PROTOS, same_on  # noqa: E402
-from thread_bits import MODELS, with_input  # noqa: E402
 from train import NETS, brewnet_solver  # noqa: E402
+from train_passes import train_net  # noqa: E402
 
 CL = torch.channels_last
 # issue 39: ``caffe time`` forward + backward on the reference CPU build, ms
@@ -274,14 +273,8 @@ def main() -> None:
     process.configure(torch.device("cpu"), keep_memory=True)
     nets, per_layer = [], []
     for key in a.nets.split(","):
-        path, shape = PROTOS[key]
-        net = Net(with_input(MODELS / path, shape), pb.TRAIN)
-        n_threads = threads.plan_beside(net.layer_list)
-        determinism.blas_on_one_thread()
-        determinism.prepare(net)
-        gen = torch.Generator().manual_seed(1)
-        net.blobs["data"].tensor.copy_(torch.rand(net.blobs["data"].shape, generator=gen))
-        net.blobs["label"].tensor.copy_(torch.randint(0, 10, (shape[0],), generator=gen).float())
+        shape = PROTOS[key][1]
+        net, n_threads = train_net(key)
         fb = statistics.median(time_net(net, a.iterations, warmup=2).iteration_ms)
         peak = peak_gflops()
         step = step_ms(key, a.iterations)
