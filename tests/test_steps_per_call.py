@@ -465,7 +465,8 @@ def loop_kinds(s) -> list:
 def test_one_hot_labels_made_for_all_batches_equal_single_steps_bitwise(
         monkeypatch, tmp_path, solver_type, extra, ignore):
     """SoftmaxWithLoss's one-hot labels (zeros_like + scatter_; with ignore_label also its
-    mask's ne/where) are made for the K batches before the loop (loop_passes._batch_data_ops):
+    mask's ne/where) are made for the K batches before the loop (loop_passes._batch_data_ops),
+    the loss's traced float64 divisor is a float32 constant (loop_passes._float_scalars):
     the loop keeps that form (a difference would rebuild it without) and the bits of single
     steps."""
     net = logreg_h5(tmp_path)
@@ -478,6 +479,9 @@ def test_one_hot_labels_made_for_all_batches_equal_single_steps_bitwise(
     assert "aten::addmm" in kinds and "aten::_log_softmax" in kinds
     if ignore is not None:
         assert "aten::where" not in kinds and "aten::ne" not in kinds
+    else:        # the loss's / batch by a float32 constant (loop_passes._float_scalars)
+        divs = [n for n in several._steps_runner.loop.forward.graph.findAllNodes("aten::div")]
+        assert [n.inputsAt(1).node().t("value").dtype for n in divs] == [torch.float32]
     assert_same(single, several)
 
 

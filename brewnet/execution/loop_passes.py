@@ -45,7 +45,9 @@ def hoist(graph, batch: bool = True) -> int:
             n.moveBefore(loop)
             inside -= {v.unique() for v in n.outputs()}
             moved += 1
-    return moved + (_batch_data_ops(graph, loop, block, selects) if batch else 0)
+    if not batch:
+        return moved
+    return moved + _batch_data_ops(graph, loop, block, selects) + _float_scalars(graph, loop, block)
 
 
 def _scalar_list(v) -> bool:
@@ -134,6 +136,30 @@ def _batch_data_ops(graph, loop, block, selects) -> int:
         if n.kind() == "aten::select" and not n.output().uses():
             n.destroy()
     return moved
+
+
+def _float_scalars(graph, loop, block) -> int:
+    """A traced Python number (a wrapped float64 0-dim constant: a loss's ``/ batch``) in
+    arithmetic on float32 tensors with a float32 result, as a float32 0-dim constant made before
+    the loop: the kernel converted it to float32 first at every iteration (a cast op), now once.
+    How many."""
+    done = 0
+    for n in list(block.nodes()):
+        if n.kind() not in ("aten::div", "aten::mul", "aten::add", "aten::sub") or n.inputsSize() < 2:
+            continue
+        for i in (0, 1):
+            c, other = n.inputsAt(i), n.inputsAt(1 - i)
+            if (c.node().kind() != "prim::Constant" or c.type().kind() != "TensorType"
+                    or getattr(other.type(), "dtype", lambda: None)() != torch.float32
+                    or getattr(n.output().type(), "dtype", lambda: None)() != torch.float32):
+                continue
+            t = c.node().t("value") if c.node().kindOf("value") == "t" else None
+            if t is not None and t.dtype == torch.float64 and t.dim() == 0:
+                n.replaceInput(i, _constant(graph, loop, t.float()))
+                if not c.uses():
+                    c.node().destroy()
+                done += 1
+    return done
 
 
 _ELEMENTWISE = {"aten::ne", "aten::eq", "aten::lt", "aten::le", "aten::gt", "aten::ge",
