@@ -47,7 +47,8 @@ def hoist(graph, batch: bool = True) -> int:
             moved += 1
     if not batch:
         return moved
-    return moved + _batch_data_ops(graph, loop, block, selects) + _float_scalars(graph, loop, block)
+    return (moved + _batch_data_ops(graph, loop, block, selects) + _float_scalars(graph, loop, block)
+            + _list_items(block))
 
 
 def _scalar_list(v) -> bool:
@@ -106,12 +107,15 @@ def _batch_data_ops(graph, loop, block, selects) -> int:
     if not selects:
         return 0
     zero, k = selects[0].inputsAt(1), selects[0].inputsAt(2)
+    inside = {v.unique() for v in block.inputs()}
+    inside |= {v.unique() for n in block.nodes() for v in n.outputs()}
+    selects += [n for n in block.nodes() if n.kind() == "aten::select" and n not in selects
+                and n.inputsAt(0).unique() not in inside and n.inputsAt(2) == k
+                and n.inputsAt(1).toIValue() == 0]          # the rates' row: rates[k]
     whole = {s.output().unique(): s.inputsAt(0) for s in selects}   # an iteration's -> all K
     fresh: set = set()              # batched zeros that only their iteration's select reads
     staged = sum(_bytes(s.output().type()) or 0 for s in selects)
     budget = [4 * staged]           # bytes an iteration the batched results may add (4x staged)
-    inside = {v.unique() for v in block.inputs()}
-    inside |= {v.unique() for n in block.nodes() for v in n.outputs()}
     written = _written(block)
     moved = 0
     for n in list(block.nodes()):
@@ -136,6 +140,24 @@ def _batch_data_ops(graph, loop, block, selects) -> int:
         if n.kind() == "aten::select" and not n.output().uses():
             n.destroy()
     return moved
+
+
+def _list_items(block) -> int:
+    """``[a, b, ...][i]`` (an item at a constant index of a list made in the loop and never
+    written) as the item itself: the loss appended each iteration. How many."""
+    done = 0
+    for n in list(block.nodes()):
+        if n.kind() != "aten::__getitem__":
+            continue
+        lst, i = n.inputsAt(0), n.inputsAt(1).toIValue()
+        make = lst.node()
+        if (make.kind() == "prim::ListConstruct" and make.owningBlock() == block
+                and isinstance(i, int) and -make.inputsSize() <= i < make.inputsSize()
+                and not any(u.user.kind() in _LIST_WRITES for u in lst.uses())):
+            n.output().replaceAllUsesWith(make.inputsAt(i))
+            n.destroy()
+            done += 1
+    return done
 
 
 def _float_scalars(graph, loop, block) -> int:
@@ -184,6 +206,9 @@ def _batched_node(graph, loop, n, whole, fresh, inside, written, budget):
     out_bytes = _bytes(n.output().type())
     if kind == "aten::to" and len(ins) == 5 and str(ins[1].type()) == "int":
         args = ins[1:]                                    # to(dtype, non_blocking, copy, format)
+    elif (kind == "aten::select" and isinstance(ins[1].toIValue(), int) and ins[1].toIValue() >= 0
+          and isinstance(ins[2].toIValue(), int)):         # a rate of the rates' row
+        args, out_bytes = [_constant(graph, loop, ins[1].toIValue() + 1), ins[2]], 0
     elif kind in ("aten::view", "aten::reshape") and _constant_sizes(ins[1]):
         kind, args, out_bytes = "aten::reshape", [_batched_size(graph, loop, ins[1])], 0
     elif (kind in _ELEMENTWISE and all(str(v.type()) in ("int", "float", "bool")
