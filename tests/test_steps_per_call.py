@@ -369,11 +369,12 @@ def test_the_loop_runs_no_invariant_node_per_iteration_and_leaves_normal_tensors
     assert "prim::CallMethod" not in kinds and "prim::Constant" not in kinds
     assert "aten::addmm" in kinds and "aten::t" in kinds      # t of the product's gradient
     assert kinds.count("aten::t") == 1        # the weight's transpose moved before the loop
-    # one select a data top (the label's for its top), the one-hot, the rate (of the rates' K
-    # rows, taken before the loop); the label's view, cast to long, view and one-hot run once on
-    # the K batches before the loop; the loss appended as itself, not out[0]
-    assert "prim::Loop" not in kinds and kinds.count("aten::select") == 4
+    # one select a data top, the one-hot, the rate (of the rates' K rows, taken before the
+    # loop); the label's view, cast to long, view and one-hot run once on the K batches before
+    # the loop; the label top selected after it (_last_only); the loss appended as itself
+    assert "prim::Loop" not in kinds and kinds.count("aten::select") == 3
     assert "aten::__getitem__" not in kinds
+    assert [n.kind() for n in graph.nodes()].count("aten::_set_item") == 1
     assert "aten::to" not in kinds and kinds.count("aten::view") == 1     # the bias diff's view
     assert "prim::ListConstruct" in kinds and all(      # the outputs' list; int lists moved out
         str(n.output().type()) == "List[Tensor]" for n in list(loop.blocks())[0].nodes()

@@ -5,9 +5,11 @@ instructions and ops an iteration, every aten kernel an iteration runs unchanged
 select, moves the loop-invariant nodes (constants, the argument lists' unpacking, int lists,
 views of the params) before the loop, and runs the ops that read only the batches once on all
 K batches (each iteration selecting its own): casts, reshapes, comparisons, ``where``, a loss's
-one-hot labels (``zeros_like`` + ``scatter_``). Nothing that reads a list or a batch written
-inside the loop moves; a node it cannot rewrite stays in the loop. The loop's first call is
-still checked bit for bit against single steps (a batched loop that differs is rebuilt without).
+one-hot labels (``zeros_like`` + ``scatter_``), the rates' selects. Also: a traced float64
+scalar as float32 (its cast), ``[..][i]`` as the item, a staged top selected after the loop.
+Nothing that reads a list or a batch written inside the loop moves; a node it cannot rewrite
+stays. The loop's first call is checked bit for bit against single steps (a loop with these
+batching passes that differs is rebuilt without them).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def hoist(graph, batch: bool = True) -> int:
     if not batch:
         return moved
     return (moved + _batch_data_ops(graph, loop, block, selects) + _float_scalars(graph, loop, block)
-            + _list_items(block))
+            + _list_items(block) + _last_only(graph, loop, block))
 
 
 def _scalar_list(v) -> bool:
@@ -156,6 +158,44 @@ def _list_items(block) -> int:
                 and not any(u.user.kind() in _LIST_WRITES for u in lst.uses())):
             n.output().replaceAllUsesWith(make.inputsAt(i))
             n.destroy()
+            done += 1
+    return done
+
+
+def _last_only(graph, loop, block) -> int:
+    """An iteration's select of a tensor made before the loop that only the loop-carried list
+    of outputs reads (a staged top): the list holds the whole tensor in the loop, and the last
+    iteration's select is put in its place after it (the loop runs at least one iteration).
+    How many."""
+    ret, done = block.returnNode(), 0
+    for c in range(loop.outputsSize()):
+        make = ret.inputsAt(1 + c).node()
+        if (make.kind() != "prim::ListConstruct" or make.owningBlock() != block
+                or len(make.output().uses()) != 1 or loop.outputsAt(c).type().kind() != "ListType"):
+            continue
+        for j, v in enumerate(make.inputs()):
+            sel = v.node()
+            if (sel.kind() != "aten::select" or sel.owningBlock() != block
+                    or sel.inputsAt(0).node().owningBlock() == block
+                    or sel.inputsAt(1).toIValue() != 0 or sel.inputsAt(2).node().kind() !=
+                    "aten::__derive_index" or any(u.user != make for u in v.uses())):
+                continue
+            index = sel.inputsAt(2).node()
+            make.replaceInput(j, sel.inputsAt(0))
+            one = _constant(graph, loop, 1)
+            last = graph.create("aten::sub", [loop.inputsAt(0), one], 1)
+            last.output().setType(torch._C.IntType.get())
+            k = graph.create("aten::__derive_index", [last.output(), *list(index.inputs())[1:]], 1)
+            k.output().setType(torch._C.IntType.get())
+            item = graph.create("aten::select", [sel.inputsAt(0), sel.inputsAt(1), k.output()], 1)
+            item.output().setType(v.type())
+            put = graph.create("aten::_set_item", [loop.outputsAt(c), _constant(graph, loop, j),
+                                                   item.output()], 1)
+            put.output().setType(loop.outputsAt(c).type())
+            for n in reversed((last, k, item, put)):
+                n.insertAfter(loop)
+            if not v.uses():
+                sel.destroy()
             done += 1
     return done
 
