@@ -112,7 +112,7 @@ def _batch_data_ops(graph, loop, block, selects) -> int:
     inside = {v.unique() for v in block.inputs()}
     inside |= {v.unique() for n in block.nodes() for v in n.outputs()}
     selects += [n for n in block.nodes() if n.kind() == "aten::select" and n not in selects
-                and n.inputsAt(0).unique() not in inside and n.inputsAt(2) == k
+                and n.inputsAt(0).unique() not in inside and n.inputsAt(2).unique() == k.unique()
                 and n.inputsAt(1).toIValue() == 0]          # the rates' row: rates[k]
     whole = {s.output().unique(): s.inputsAt(0) for s in selects}   # an iteration's -> all K
     fresh: set = set()              # batched zeros that only their iteration's select reads
@@ -175,12 +175,12 @@ def _last_only(graph, loop, block) -> int:
             continue
         for j, v in enumerate(make.inputs()):
             sel = v.node()
-            if (sel.kind() != "aten::select" or sel.owningBlock() != block
-                    or sel.inputsAt(0).node().owningBlock() == block
-                    or sel.inputsAt(1).toIValue() != 0 or sel.inputsAt(2).node().kind() !=
-                    "aten::__derive_index" or any(u.user != make for u in v.uses())):
+            index = sel.inputsAt(2).node() if sel.kind() == "aten::select" else None
+            if (index is None or sel.owningBlock() != block or index.kind() != "aten::__derive_index"
+                    or sel.inputsAt(0).node().owningBlock() != loop.owningBlock()
+                    or index.inputsAt(0).unique() != next(block.inputs()).unique()
+                    or sel.inputsAt(1).toIValue() != 0 or any(u.user != make for u in v.uses())):
                 continue
-            index = sel.inputsAt(2).node()
             make.replaceInput(j, sel.inputsAt(0))
             one = _constant(graph, loop, 1)
             last = graph.create("aten::sub", [loop.inputsAt(0), one], 1)
