@@ -469,7 +469,7 @@ def loop_kinds(s) -> list:
 def test_one_hot_labels_made_for_all_batches_equal_single_steps_bitwise(
         monkeypatch, tmp_path, solver_type, extra, ignore):
     """SoftmaxWithLoss's one-hot labels (zeros_like + scatter_; with ignore_label also its
-    mask's ne/where) are made for the K batches before the loop (loop_passes._batch_data_ops),
+    mask's ne/where and valid count) are made for the K batches before the loop (loop_passes._batch_data_ops),
     the loss's traced float64 divisor is a float32 constant (loop_passes._float_scalars):
     the loop keeps that form (a difference would rebuild it without) and the bits of single
     steps."""
@@ -483,6 +483,9 @@ def test_one_hot_labels_made_for_all_batches_equal_single_steps_bitwise(
     assert "aten::addmm" in kinds and "aten::_log_softmax" in kinds
     if ignore is not None:
         assert "aten::where" not in kinds and "aten::ne" not in kinds
+        # the valid count (sum of the mask, clamp_min) and the gradient's scale by it too
+        assert kinds.count("aten::sum") == 2 and kinds.count("aten::clamp_min") == 1
+        assert kinds.count("aten::div") == 1
     else:        # the loss's / batch by a float32 constant (loop_passes._float_scalars)
         divs = [n for n in several._steps_runner.loop.forward.graph.findAllNodes("aten::div")]
         assert [n.inputsAt(1).node().t("value").dtype for n in divs] == [torch.float32]

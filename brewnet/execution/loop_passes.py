@@ -5,7 +5,8 @@ instructions and ops an iteration, every aten kernel an iteration runs unchanged
 select, moves the loop-invariant nodes (constants, the argument lists' unpacking, int lists,
 views of the params) before the loop, and runs the ops that read only the batches once on all
 K batches (each iteration selecting its own): casts, reshapes, comparisons, ``where``, a loss's
-one-hot labels (``zeros_like`` + ``scatter_``), the rates' selects. Also: a traced float64
+one-hot labels (``zeros_like`` + ``scatter_``), a mask's count and arithmetic on it, the rates'
+selects. Also: a traced float64
 scalar as float32 (its cast), ``[..][i]`` as the item, a staged top selected after the loop.
 Nothing that reads a list or a batch written inside the loop moves; a node it cannot rewrite
 stays. The loop's first call is checked bit for bit against single steps (a loop with these
@@ -119,10 +120,11 @@ def _batch_data_ops(graph, loop, block, selects) -> int:
     staged = sum(_bytes(s.output().type()) or 0 for s in selects)
     budget = [4 * staged]           # bytes an iteration the batched results may add (4x staged)
     written = _written(block)
+    counts: set = set()             # batched values of 0s and 1s (a cast of a mask)
     moved = 0
     for n in list(block.nodes()):
         try:
-            b = _batched_node(graph, loop, n, whole, fresh, inside, written, budget)
+            b = _batched_node(graph, loop, n, whole, fresh, inside, written, budget, counts)
         except (RuntimeError, TypeError, ValueError):    # a schema or type it cannot rewrite
             b = None
         if b is None:
@@ -132,6 +134,8 @@ def _batch_data_ops(graph, loop, block, selects) -> int:
         one.output().setType(n.output().type())
         if n.output().unique() in written:     # an iteration writes its batch: nothing reads it
             written.add(one.output().unique())
+        if n.output().unique() in counts:
+            counts.add(one.output().unique())
         n.output().replaceAllUsesWith(one.output())
         whole[one.output().unique()] = b.output()
         if b.kind() == "aten::zeros":
@@ -225,10 +229,11 @@ def _float_scalars(graph, loop, block) -> int:
 
 
 _ELEMENTWISE = {"aten::ne", "aten::eq", "aten::lt", "aten::le", "aten::gt", "aten::ge",
-                "aten::where", "aten::logical_not"}       # exact: comparisons and selections
+                "aten::where", "aten::logical_not", "aten::clamp_min", "aten::clamp_max"}   # exact
+_ARITHMETIC = {"aten::div", "aten::mul", "aten::add", "aten::sub"}   # IEEE: correctly rounded
 
 
-def _batched_node(graph, loop, n, whole, fresh, inside, written, budget):
+def _batched_node(graph, loop, n, whole, fresh, inside, written, budget, counts):
     """``n``'s batched form, inserted before the loop (None: ``n`` stays in the loop)."""
     if n.outputsSize() != 1 or list(n.blocks()) or n.inputsSize() == 0:
         return None
@@ -237,7 +242,11 @@ def _batched_node(graph, loop, n, whole, fresh, inside, written, budget):
     kind = n.kind()
     if kind == "aten::zeros_like":      # its values depend on the input's (fixed) shape alone
         return _zeros(graph, loop, n, whole, inside, budget)
-    if not batched[0] or any(v.unique() in inside and not b for v, b in zip(ins, batched)):
+    if any(v.unique() in inside and not b for v, b in zip(ins, batched)):
+        return None
+    if kind in _ARITHMETIC and any(batched):
+        return _arithmetic(graph, loop, n, ins, whole, written)
+    if not batched[0]:
         return None
     if kind == "aten::scatter_":
         return _scatter(graph, loop, n, whole, fresh, written)
@@ -246,6 +255,16 @@ def _batched_node(graph, loop, n, whole, fresh, inside, written, budget):
     out_bytes = _bytes(n.output().type())
     if kind == "aten::to" and len(ins) == 5 and str(ins[1].type()) == "int":
         args = ins[1:]                                    # to(dtype, non_blocking, copy, format)
+        if _dtype(ins[0]) == torch.bool:
+            counts.add(n.output().unique())               # 0s and 1s
+    elif (kind == "aten::sum" and len(ins) == 2 and ins[1].toIValue() is None
+          and ins[0].unique() in counts and _shape(ins[0]) and _numel(ins[0]) < 1 << 24):
+        # a count of 0s and 1s: exact in any order, so per batch as over the whole batch
+        dims = graph.create("prim::ListConstruct", [_constant(graph, loop, d + 1)
+                                                    for d in range(len(_shape(ins[0])))], 1)
+        dims.output().setType(torch._C.ListType(torch._C.IntType.get()))
+        dims.insertBefore(loop)
+        args = [dims.output(), _constant(graph, loop, False), ins[1]]
     elif (kind == "aten::select" and isinstance(ins[1].toIValue(), int) and ins[1].toIValue() >= 0
           and isinstance(ins[2].toIValue(), int)):         # a rate of the rates' row
         args, out_bytes = [_constant(graph, loop, ins[1].toIValue() + 1), ins[2]], 0
@@ -266,6 +285,42 @@ def _batched_node(graph, loop, n, whole, fresh, inside, written, budget):
     b.insertBefore(loop)
     b.output().setType(torch._C.TensorType.get())
     return b
+
+
+def _arithmetic(graph, loop, n, ins, whole, written):
+    """``a op b`` of batched tensors of one shape and loop-invariant 0-dim tensors, all of the
+    result's dtype (no promotion; an invariant broadcast over the K), scalars as they are."""
+    out = _dtype(n.output())
+    if n.kind() == "aten::div" and len(ins) != 2:          # a rounding mode: left alone
+        return None
+    shapes = set()
+    for v in ins:
+        if v.type().kind() != "TensorType":
+            if str(v.type()) not in ("int", "float"):
+                return None
+        elif v.unique() in whole:
+            if v.unique() in written or _dtype(v) != out or _shape(v) is None:
+                return None
+            shapes.add(_shape(v))
+        elif _dtype(v) != out or _shape(v) != ():
+            return None
+    if len(shapes) != 1 or out is None:
+        return None
+    b = graph.create(n.kind(), [whole.get(v.unique(), v) for v in ins], 1)
+    b.insertBefore(loop)
+    b.output().setType(torch._C.TensorType.get())
+    return b
+
+
+def _dtype(v):
+    return getattr(v.type(), "dtype", lambda: None)()
+
+
+def _numel(v) -> int:
+    count = 1
+    for d in _shape(v):
+        count *= d
+    return count
 
 
 def _zeros(graph, loop, n, whole, inside, budget):
