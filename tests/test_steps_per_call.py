@@ -102,7 +102,8 @@ def test_logreg_several_per_call_equal_single_steps_bitwise(monkeypatch, tmp_pat
 def test_lenet_like_net_on_lmdb_equals_single_steps_bitwise(monkeypatch, tmp_path):
     src = random_digits_lmdb(tmp_path / "db", 40, 12, seed=1)
     single, several = both(monkeypatch, lambda: make(conv_net(src)), [520, 30])
-    assert loops_ran(several)
+    assert loops_ran(several) and several._steps_runner.batch     # its one-hot made before
+    assert "aten::scatter_" not in loop_kinds(several)
     assert_same(single, several)
 
 
@@ -222,11 +223,14 @@ def test_a_loop_that_differs_keeps_single_steps_with_the_batches_read(monkeypatc
     monkeypatch.setenv("BREWNET_STEPS_PER_CALL", "0")
     single = make(net)
     single.step(700)
+    single.step(700)
     monkeypatch.delenv("BREWNET_STEPS_PER_CALL")
     monkeypatch.setattr(steps_per_call, "same_bits", lambda a, b: False)
     several = make(net)
     with caplog.at_level(logging.WARNING, logger="brewnet"):
-        several.step(700)
+        several.step(700)       # the loop with the batches' ops batched differs: single steps
+        assert several._steps_runner.guard.off is None and not several._steps_runner.batch
+        several.step(700)       # the loop without them differs too: off
     assert several._steps_runner.guard.off is not None
     assert "differ from single steps" in caplog.text
     assert_same(single, several)
@@ -366,9 +370,12 @@ def test_the_loop_runs_no_invariant_node_per_iteration_and_leaves_normal_tensors
     assert "prim::CallMethod" not in kinds and "prim::Constant" not in kinds
     assert "aten::addmm" in kinds and "aten::t" in kinds      # t of the product's gradient
     assert kinds.count("aten::t") == 1        # the weight's transpose moved before the loop
-    # one select a data top, one the rates' row, one the rate; the label's view, cast to long
-    # and view run once on the K batches before the loop (a select each for its two uses)
-    assert "prim::Loop" not in kinds and kinds.count("aten::select") == 5
+    # one select a data top, the one-hot, the rate (of the rates' K rows, taken before the
+    # loop); the label's view, cast to long, view and one-hot run once on the K batches before
+    # the loop; the label top selected after it (_last_only); the loss appended as itself
+    assert "prim::Loop" not in kinds and kinds.count("aten::select") == 3
+    assert "aten::__getitem__" not in kinds
+    assert [n.kind() for n in graph.nodes()].count("aten::_set_item") == 1
     assert "aten::to" not in kinds and kinds.count("aten::view") == 1     # the bias diff's view
     assert "prim::ListConstruct" in kinds and all(      # the outputs' list; int lists moved out
         str(n.output().type()) == "List[Tensor]" for n in list(loop.blocks())[0].nodes()
@@ -448,3 +455,111 @@ def test_other_rules_equal_single_steps_bitwise(monkeypatch, tmp_path, solver_ty
     single, several = both(monkeypatch, lambda: make(net, solver_type, extra, lr), [600, 37, 451])
     assert loops_ran(several)
     assert_same(single, several)
+
+
+def loop_kinds(s) -> list:
+    graph = s._steps_runner.loop.forward.graph
+    loop = next(n for n in graph.nodes() if n.kind() == "prim::Loop")
+    return [n.kind() for n in list(loop.blocks())[0].nodes()]
+
+
+@pytest.mark.parametrize("solver_type,extra,ignore", [("SGD", "", None), ("SGD", "", 1),
+                                                      ("AdaGrad", "momentum: 0", None),
+                                                      ("Adam", "", 1)])
+def test_one_hot_labels_made_for_all_batches_equal_single_steps_bitwise(
+        monkeypatch, tmp_path, solver_type, extra, ignore):
+    """SoftmaxWithLoss's one-hot labels (zeros_like + scatter_; with ignore_label also its
+    mask's ne/where and valid count) are made for the K batches before the loop (loop_passes._batch_data_ops),
+    the loss's traced float64 divisor is a float32 constant (loop_passes._float_scalars):
+    the loop keeps that form (a difference would rebuild it without) and the bits of single
+    steps."""
+    net = logreg_h5(tmp_path)
+    if ignore is not None:
+        net = net.replace('top: "loss" }', f'top: "loss" loss_param {{ ignore_label: {ignore} }} }}')
+    single, several = both(monkeypatch, lambda: make(net, solver_type, extra), [600, 37, 451])
+    assert loops_ran(several) and several._steps_runner.batch
+    kinds = loop_kinds(several)
+    assert "aten::scatter_" not in kinds and "aten::zeros_like" not in kinds
+    assert "aten::addmm" in kinds and "aten::_log_softmax" in kinds
+    if ignore is not None:
+        assert "aten::where" not in kinds and "aten::ne" not in kinds
+        # the valid count (sum of the mask, clamp_min) and the gradient's scale by it too
+        assert kinds.count("aten::sum") == 2 and kinds.count("aten::clamp_min") == 1
+        assert kinds.count("aten::div") == 1
+    else:        # the loss's / batch by a float32 constant (loop_passes._float_scalars)
+        divs = [n for n in several._steps_runner.loop.forward.graph.findAllNodes("aten::div")]
+        assert [n.inputsAt(1).node().t("value").dtype for n in divs] == [torch.float32]
+    assert_same(single, several)
+
+
+def test_a_batched_loop_that_differs_is_rebuilt_without_and_stays_on(monkeypatch, tmp_path, caplog):
+    net = logreg_h5(tmp_path)
+    wrong = loop_passes._scatter
+
+    def scatter_twos(graph, loop, n, *rest):        # one-hot of 2.0: other losses and gradients
+        b = wrong(graph, loop, n, *rest)
+        if b is not None:
+            two = loop_passes._constant(graph, loop, 2.0)
+            two.node().moveBefore(b)
+            b.replaceInput(3, two)
+        return b
+
+    monkeypatch.setattr(loop_passes, "_scatter", scatter_twos)
+    with caplog.at_level(logging.INFO, logger="brewnet"):
+        single, several = both(monkeypatch, lambda: make(net), [600, 37, 451])
+    assert "batched differs from single steps: tried without them" in caplog.text
+    assert loops_ran(several) and not several._steps_runner.batch
+    assert "aten::scatter_" in loop_kinds(several)
+    assert_same(single, several)
+
+
+class _OneHot(torch.nn.Module):
+    """A loss's one-hot labels; ``read`` reads the zeros before the scatter_ (it stays), ``write``
+    writes the index in place before a view of it is read (what reads the view stays)."""
+
+    def __init__(self, read=False, write=False):
+        super().__init__()
+        self.read, self.write = read, write
+
+    def forward(self, xs: List[torch.Tensor]) -> torch.Tensor:
+        x, lab = xs
+        zeros = torch.zeros_like(x * 1.0)
+        before = zeros.sum() if self.read else 0.0
+        idx = lab.view(4, 1).to(torch.int64)
+        view = idx.view(4, 1)              # read after the write below, which it sees
+        if self.write:
+            idx.add_(1)
+        hot = zeros.scatter_(1, view, 1.0)
+        return (hot * x).sum(1) + (view != 1) * 0.5 + before
+
+
+class _OneHotLoop(torch.nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, xs: List[torch.Tensor], n: int) -> List[torch.Tensor]:
+        outs: List[torch.Tensor] = []
+        for k in range(n):
+            outs.append(self.body([x[k] for x in xs]))
+        return outs
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")     # torch.jit's own notice
+@pytest.mark.parametrize("read,write", [(False, False), (True, False), (False, True)])
+def test_one_hot_runs_once_on_all_batches_unless_read_or_written_in_the_loop(read, write):
+    xs = [torch.arange(60.0).reshape(5, 4, 3) / 7, torch.tensor([0.0, 1, 1, 0] * 5).reshape(5, 4)]
+    body = _OneHot(read, write)
+    with torch.no_grad():
+        m = torch.jit.script(_OneHotLoop(torch.jit.trace(body, ([x[0] for x in xs],))))
+    loop_passes.hoist(m.forward.graph)
+    loop = next(n for n in m.forward.graph.nodes() if n.kind() == "prim::Loop")
+    kinds = [n.kind() for n in list(loop.blocks())[0].nodes()]
+    assert "aten::zeros_like" not in kinds and "aten::to" not in kinds    # fresh memory each
+    assert ("aten::scatter_" in kinds) == (read or write) and ("aten::ne" in kinds) == write
+    assert ("aten::view" in kinds) == write
+    want = [body([x[k].clone() for x in xs]) for k in range(5)]
+    with torch.jit.optimized_execution(False):
+        got = m([x.clone() for x in xs], 5)
+    for a, b in zip(want, got, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -8,11 +8,11 @@ recorded forward-backward and recorded update (recorded_update.py) traced into o
 body that a scripted loop runs K times unoptimised (its graph passes: loop_passes.py; in inference
 mode): the same aten kernels, no fusion. The K losses come back and the smoothed loss is updated
 on the host as the loop does. Invariant: the bits of K single steps, compared at the first call
-(a difference keeps single steps, logged). Refused: a callback, a train_feed, clipping (a log
-line each iteration), a rule of the user's, data parallel, a numpy view of a diff, a device other
-than the CPU. A bad label or non-finite loss in the K
-restores the state and runs the K as single steps on the batches read, which raise where they
-would. ``BREWNET_STEPS_PER_CALL=0`` off. Measurements: docs/performance.md, *Tiny nets*.
+(a difference keeps single steps, logged; a loop with its batches' ops batched is rebuilt without
+them first). Refused: a callback, a train_feed, clipping (a log line each iteration), a rule of the
+user's, data parallel, a numpy view of a diff, a device other than the CPU. A bad label or
+non-finite loss in the K restores the state and runs the K as single steps on the batches read,
+which raise where they would. ``BREWNET_STEPS_PER_CALL=0`` off. Measurements: docs/performance.md, *Tiny nets*.
 """
 from __future__ import annotations
 
@@ -279,6 +279,7 @@ class Runner:
         self.refused: str | None = None
         self.update = None          # recorded_update.UpdateGraph
         self.loop, self.key, self.checked = None, None, False
+        self.batch = True           # the batches' ops batched (loop_passes); off if that differs
 
     def _state(self) -> list[torch.Tensor]:
         return [t.detach() for t in self.solver.net.learnable] + list(self.solver.history)
@@ -311,9 +312,18 @@ class Runner:
         try:
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)   # torch.jit's own notice
-                traced = torch.jit.trace(body, example, check_trace=False, strict=False)
-                loop = torch.jit.script(_Loop(traced))
-                loop_passes.hoist(loop.forward.graph)
+                for batch in ((True, False) if self.batch else (False,)):
+                    # a new trace each time: a script of the same module types shares its graph
+                    traced = torch.jit.trace(body, example, check_trace=False, strict=False)
+                    loop = torch.jit.script(_Loop(traced))
+                    try:
+                        loop_passes.hoist(loop.forward.graph, batch)
+                        break
+                    except RuntimeError as e:
+                        if not batch:
+                            raise
+                        log.debug("several steps per call: the batches' ops stay: %s", e)
+                self.batch = batch
         finally:
             s.history = history
             for name, c in zip(attrs(g.gm), consts):
@@ -382,7 +392,9 @@ class Runner:
         start, first = 0, None
         if not self.checked:
             start = self.guard.attempt(self._check, xs, scalars, before, step0)
-            if start is FAILED or not start:
+            if start == -1:         # the batched loop differs: these single steps, then without
+                self.batch, self.loop = False, None
+            if start is FAILED or start <= 0:
                 return self._undo(xs, before, step0)
             self.checked, first = True, self._first
         got = self.guard.attempt(self._loop, xs, scalars, start, k)
@@ -407,11 +419,19 @@ class Runner:
 
     def _check(self, xs, scalars, before, step0) -> int:
         """The first CHECK_K iterations through the loop and as single steps (the replayed
-        step, the eager update), from the same state: their count if the bits agree, else 0."""
+        step, the eager update), from the same state: their count if the bits agree, else 0
+        (-1 where the loop batched its batches' ops: the next one is built without)."""
         s, g = self.solver, self.graph
         n = CHECK_K
         state = self._state()
-        out, self._first = self._loop(xs, scalars, 0, n)
+        try:
+            out, self._first = self._loop(xs, scalars, 0, n)
+        except Exception as e:     # noqa: BLE001 - the batched loop's fault: tried without it
+            if not self.batch:
+                raise
+            log.info("Net '%s': the loop with its batches' ops batched failed (%s): tried "
+                     "without them", s.net.name, e)
+            return -1
         mine = [t.clone() for t in state] + self._steps(out)
         with torch.no_grad():
             for t, b in zip(state, before):
@@ -428,6 +448,10 @@ class Runner:
         theirs = state + recorded_update.grads_of(s)
         same = (all(same_bits(a, b) for a, b in zip(mine, theirs))
                 and same_bits(self._first, torch.stack(ref).float()))
+        if not same and self.batch:
+            log.info("Net '%s': the loop with its batches' ops batched differs from single "
+                     "steps: tried without them", s.net.name)
+            return -1
         if not same:
             self.guard.fail("the loop's iterations differ from single steps")
             return 0
