@@ -168,6 +168,22 @@ def test_the_steady_call_on_an_engine_is_the_general_paths(monkeypatch):
     assert seen
 
 
+def test_an_engine_failing_in_the_steady_call_leaves_the_net_plain(caplog):
+    net, eager = twin(LENET, "onnxruntime")
+    xs = inputs(net)
+    outputs(net, xs)
+    assert net._lean._direct is not None
+
+    def broken(arrays):
+        raise RuntimeError("the session died")
+    net._lean.engine.arrays = broken
+    with caplog.at_level(logging.WARNING, logger="brewnet"):
+        got = outputs(net, xs[:2])
+    for g, w in zip(got, outputs(eager, xs[:2])):
+        assert all(np.array_equal(g[k], w[k]) for k in w)     # the plain path: eager's bits
+    assert net._lean.engine is None and "the session died" in caplog.text
+
+
 def test_intermediate_blobs_under_another_engine_are_the_eager_nets():
     net, eager = twin(CIFAR, "onnxruntime")
     xs = inputs(net)

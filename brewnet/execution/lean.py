@@ -276,7 +276,10 @@ class LeanForward:
                 return None
             for a, v in zip(arrays, values):
                 np.copyto(a, v)
-        got = engine.arrays(arrays)
+        try:
+            got = engine.arrays(arrays)
+        except Exception:   # noqa: BLE001 - the general path's guard reports it and goes plain
+            return None
         owned = engine.owned           # (OpenCV's: its dnn's own buffers, copied by take)
         for s, a in zip(saved, arrays):
             np.copyto(s, a)
