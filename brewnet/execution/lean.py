@@ -231,12 +231,19 @@ class LeanForward:
                 host_copy(s, x)
         else:
             self._saved = [x.clone() for x in xs]
-        self._stale = list(self._middle)
-        for b in self._stale:
-            b._pending = self.settle
-        self.replayed, net._ran = True, {}   # (the last plain forward's autograd graph: freed)
+        self._mark_replayed()
         self._bind_direct()
         return True
+
+    def _mark_replayed(self) -> None:
+        """After a whole forward not run by the layers: every intermediate blob is stale (brought
+        up to date when read: ``settle``), the last plain forward's autograd graph is freed."""
+        if not self._stale:                  # (else still every middle blob, marked)
+            self._stale = list(self._middle)
+            for b in self._stale:
+                b._pending = self.settle
+        if not self.replayed or self.net._ran:
+            self.replayed, self.net._ran = True, {}
 
     def _bind_direct(self) -> None:
         """What ``direct`` needs, taken after a whole forward on an engine with numpy I/O."""
@@ -286,12 +293,7 @@ class LeanForward:
         self.calls += 1
         self.quiet += 1
         result = {n: b.take(a, owned) for n, b, a in zip(net.outputs, outs, got)}
-        if not self._stale:                  # (else still every middle blob, marked)
-            self._stale = list(self._middle)
-            for b in self._stale:
-                b._pending = self.settle
-        if not self.replayed or net._ran:
-            self.replayed, net._ran = True, {}
+        self._mark_replayed()
         return result
 
     def _input_key(self) -> tuple:
