@@ -313,10 +313,11 @@ MOBILENET_SAMPLERS = "batch_sampler { max_sample: 1 max_trials: 1 }" + "".join(
 def test_augmented_boxes_lie_on_their_objects(tmp_path):
     """MobileNet-SSD's augmentation (expand, sampled crops, warp, mirror, centre emit): every
     emitted box is the white rectangle's visible part in the output image (NEAREST resize keeps
-    its edges sharp). Tolerance: the fork crops the pixels at int-truncated offsets and sizes
-    but projects the boxes with the exact crop box, up to a source pixel apart; the warp to 48
-    magnifies a crop (scale >= 0.3, aspect <= 2: >= 0.21 of a 160-pixel side) at most 1.43
-    times, and NEAREST moves an edge by up to one more pixel."""
+    its edges sharp). Tolerance: the fork crops the pixels at an int-truncated offset d and an
+    int-truncated size r (each truncated alone, d, r < 1 source pixel) but projects the boxes
+    with the exact crop box of side L >= 0.21 of the 160-pixel side (scale >= 0.3, aspect <= 2):
+    an edge moves by up to 48 (d + r) / L < 2.83 output pixels, NEAREST by one more. A box whose
+    visible part is under ~1 output pixel thin may fall between NEAREST's samples: no pixels."""
     db = _rect_lmdb(tmp_path / "r", n=24, side=160)
     net = Net(_net(db, MOBILENET_AUG, MOBILENET_SAMPLERS, batch=24), phase=pb.TRAIN)
     rows, changed = 0, 0
@@ -328,8 +329,11 @@ def test_augmented_boxes_lie_on_their_objects(tmp_path):
             if item < 0:
                 continue
             ys, xs = np.nonzero(data[int(item), 0] > 0.5)
+            if not len(xs):
+                assert min(x1 - x0, y1 - y0) * 48 < 1.05, (x0, y0, x1, y1)
+                continue
             np.testing.assert_allclose([x0 * 48, y0 * 48, x1 * 48, y1 * 48],
-                                       [xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], atol=2.5)
+                                       [xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], atol=3.9)
             rows += 1
             changed += abs((x1 - x0) * (y1 - y0) - 0.1) > 0.05
     assert rows > 40 and changed > 10
