@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import test_golden_layers as golden
+from brewnet.execution import determinism
 from brewnet.layers import functional as Fn
 from brewnet.runtime import keep_freed_memory
 from brewnet.solvers import fused, sgd
@@ -22,9 +23,16 @@ needs_dnn = pytest.mark.skipif(Fn._dnn_linear() is None, reason="torch without o
 
 # -- inner product ----------------------------------------------------------------------------
 @needs_dnn
+@pytest.mark.parametrize("grads", ["mkl", "onednn"])
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-def test_dnn_inner_product_matches_float64(transpose, bias):
+def test_dnn_inner_product_matches_float64(transpose, bias, grads, monkeypatch):
+    """Both ways to the gradients: MKL's products (strict mode, as ``import brewnet`` sets it)
+    and oneDNN's, where MKL ran before brewnet could ask for strict mode."""
+    if grads == "onednn":
+        monkeypatch.setattr(determinism, "mkl_strict", lambda: False)
+    elif not determinism.mkl_strict():
+        pytest.skip("MKL ran in this process before brewnet was imported: not in strict mode")
     g = torch.Generator().manual_seed(0)
     m, n, k = 7, 600, 500                      # 300k weights: above DNN_MIN_WEIGHT
     x = torch.randn(m, k, generator=g, requires_grad=True)
@@ -44,6 +52,28 @@ def test_dnn_inner_product_matches_float64(transpose, bias):
     np.testing.assert_allclose(w.grad.numpy(), dw.T if transpose else dw, rtol=1e-5, atol=1e-5)
     if bias:
         np.testing.assert_allclose(b.grad.numpy(), dyd.sum(0), rtol=1e-5, atol=1e-5)
+
+
+@needs_dnn
+@pytest.mark.parametrize("m,k,n,transpose", [(64, 800, 500, False), (10, 2048, 1024, False),
+                                             (3, 1024, 512, True)])
+def test_dnn_inner_product_gradients_same_bits_on_1_2_4_threads(m, k, n, transpose):
+    """LeNet's ip1, a CaffeNet-like fc at batch 10 (smaller), a few rows (MKL on one thread)."""
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(m, k, generator=g)
+    w0 = torch.randn((k, n) if transpose else (n, k), generator=g) * 0.05
+    dy = torch.randn(m, n, generator=g)
+    before, got = torch.get_num_threads(), []
+    try:
+        for count in (1, 2, 4):
+            torch.set_num_threads(count)
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            Fn.inner_product(x, w, None, transpose).backward(dy)
+            got.append((x.grad, w.grad))
+    finally:
+        torch.set_num_threads(before)
+    for dx, dw in got[1:]:
+        assert torch.equal(dx, got[0][0]) and torch.equal(dw, got[0][1])
 
 
 @needs_dnn

@@ -279,8 +279,9 @@ def _dnn_linear():
 
 class _DnnInnerProduct(torch.autograd.Function):
     """x (M, K), stored weight (N, K) or, with ``transpose``, (K, N), bias (N,) or None ->
-    x W^T + b, with all three products (forward, input and weight gradients) as oneDNN inner
-    products."""
+    x W^T + b: the forward as oneDNN's inner product; the gradients as MKL products on torch's
+    threads where MKL runs in strict mode (the same bits on any thread count; oneDNN took 1.1-3.6x
+    longer on CaffeNet's and LeNet's shapes, benchmarks/train_speed.py), else oneDNN's too."""
 
     @staticmethod
     def forward(ctx, x, w, b, transpose):
@@ -294,9 +295,16 @@ class _DnnInnerProduct(torch.autograd.Function):
         x, w = ctx.saved_tensors
         lin, dy = _dnn_linear(), dy.contiguous()
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:       # dy W: the weight argument is W^T, i.e. the stored one
+        if determinism.mkl_strict():
+            large = 2 * x.numel() * dy.shape[1] >= threads.TINY_FLOPS   # (strict splits tiny ones)
+            with determinism.blas_on_torch_threads() if large else determinism.blas_on_one_thread_here():
+                if ctx.needs_input_grad[0]:
+                    dx = dy @ (w.t() if ctx.transpose else w)
+                if ctx.needs_input_grad[1]:
+                    dw = x.t() @ dy if ctx.transpose else dy.t() @ x
+        elif ctx.needs_input_grad[0]:       # dy W: the weight argument is W^T, i.e. the stored one
             dx = lin(dy, w if ctx.transpose else w.t(), None)
-        if ctx.needs_input_grad[1]:       # dy^T x (N, K), or x^T dy (K, N) when transposed
+        if ctx.needs_input_grad[1] and dw is None:   # dy^T x (N, K), or x^T dy (K, N) transposed
             dyt, xt = dy.t().contiguous(), x.t().contiguous()
             dw = lin(xt, dyt, None) if ctx.transpose else lin(dyt, xt, None)
         if ctx.has_bias and ctx.needs_input_grad[2]:
