@@ -447,8 +447,20 @@ def test_onnxruntime_asked_for_without_it_is_a_clear_error(monkeypatch):
     assert net._lean.engine is None
 
 
+def test_onnxruntime_on_one_thread_asked_for_by_name(cache):
+    """auto's pick for tiny nets, also a name a user may ask for (a net per worker, say)."""
+    net, eager = twin(LENET, engines.ONE_THREAD)
+    xs = inputs(net)
+    for g, w in zip(outputs(net, xs), outputs(eager, xs)):
+        assert_close(g, w, engines.RTOL[torch.float32])
+    engine = net._lean.engine
+    assert engine.name == engines.ONE_THREAD
+    assert engine.session.get_session_options().intra_op_num_threads == 1
+
+
 def test_a_bad_engine_name_is_one_line(monkeypatch):
-    with pytest.raises(NetError, match=r"^engine='fast': expected one of auto, eager, compiled, onnxruntime, opencv$"):
+    with pytest.raises(NetError, match=r"^engine='fast': expected one of auto, eager, compiled, onnxruntime, "
+                                       r"opencv, onnxruntime-1thread$"):
         Net(str(CIFAR), brewnet.TEST, engine="fast")
     monkeypatch.setenv("BREWNET_ENGINE", "ort")
     with pytest.raises(NetError, match=r"^BREWNET_ENGINE='ort'"):
@@ -461,11 +473,13 @@ def test_brewnet_time_engines_prints_every_engines_time(tmp_path, monkeypatch, c
     from brewnet.cli import main
 
     monkeypatch.setenv("BREWNET_CACHE_DIR", str(tmp_path))
-    assert main(["time", "--model", str(CIFAR), "--engines", "eager,onnxruntime", "--iterations", "3"]) == 0
+    monkeypatch.setattr(engines, "ONE_THREAD_UNDER_S", 10.0)   # as auto: one thread tried for short calls
+    assert main(["time", "--model", str(LENET), "--engines", "--iterations", "3"]) == 0
     err = capsys.readouterr().err
     rows = {line.split()[-3]: line for line in err.splitlines() if line.split()[-1:] and "x" in line.split()[-1]}
-    assert {"eager", "onnxruntime"} <= set(rows), err
-    assert "auto picks " in err
+    assert {"eager", "onnxruntime", "onnxruntime-1thread", "opencv"} <= set(rows), err
+    picks = next(line for line in err.splitlines() if "auto picks " in line)
+    assert "onnxruntime-1thread" in picks.split(" among ")[1]
     assert main(["time", "--model", str(CIFAR), "--engines", "auto"]) != 0
     assert "--engines lists engines to time" in capsys.readouterr().err
     assert main(["time", "--model", str(CIFAR), "--engines", "eager,tensorrt"]) != 0
@@ -473,17 +487,17 @@ def test_brewnet_time_engines_prints_every_engines_time(tmp_path, monkeypatch, c
     assert "--engines='tensorrt': expected one of" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("asked", ["onnxruntime", "auto"])
+@pytest.mark.parametrize("asked", ["onnxruntime", "onnxruntime-1thread", "auto"])
 def test_serves_module_on_an_engine_answers_any_batch_as_the_module(asked):
     from brewnet.deploy import to_torch
 
     gm = to_torch(str(CIFAR))
     fn, chosen, ms = engines.for_module(gm, asked, torch.randn(4, 3, 32, 32), 1)
-    assert chosen in ("eager", "onnxruntime")
+    assert chosen in ("eager", "onnxruntime", "onnxruntime-1thread")
     if asked == "auto":
         assert set(ms) == {"eager", "onnxruntime"} and chosen == min(ms, key=ms.get)
     else:
-        assert chosen == "onnxruntime" and fn is not gm
+        assert chosen == asked and fn is not gm
     for n in (1, 7):
         x = torch.randn(n, 3, 32, 32)
         with torch.no_grad():

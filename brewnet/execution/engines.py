@@ -24,7 +24,8 @@ from ..errors import NetError
 from . import engine_cache
 
 log = logging.getLogger("brewnet")
-ENGINES = ("auto", "eager", "compiled", "onnxruntime", "opencv")
+ONE_THREAD = "onnxruntime-1thread"      # ONNX Runtime on one thread: auto's pick for tiny nets
+ENGINES = ("auto", "eager", "compiled", "onnxruntime", "opencv", ONE_THREAD)
 PRECISIONS = ("fp32", "bf16")
 MEASURE_S = 2.0       # auto: the timing of the candidates on one input shape stops after this
 ROUNDS = (3, 7)       # auto: timed calls per candidate, at least and at most (alternating)
@@ -265,7 +266,6 @@ def bf16_refusal() -> str | None:
     return None
 
 
-ONE_THREAD = "onnxruntime-1thread"
 BUILDERS = {"onnxruntime": OnnxRuntimeEngine, "opencv": OpenCVEngine, "compiled": CompiledEngine,
             "bf16": Bf16Engine,
             ONE_THREAD: lambda net, threads, cut=None: OnnxRuntimeEngine(net, threads, cut, one_thread=True)}
@@ -471,7 +471,7 @@ class _ModuleOnnx:
 
     name = "onnxruntime"
 
-    def __init__(self, gm, threads: int, folder):
+    def __init__(self, gm, threads: int, folder, one_thread: bool = False):
         import pathlib
 
         from ..deploy import export_onnx
@@ -480,7 +480,8 @@ class _ModuleOnnx:
         path = pathlib.Path(folder) / "net.onnx"
         with quiet_exporter():
             export_onnx(gm, path, dynamic_batch=gm.dynamic_batch, opset=OPSET)
-        self.session = ort.InferenceSession(str(path), session_options(ort, threads),
+        self.session = ort.InferenceSession(str(path), session_options(ort, 1 if one_thread else threads,
+                                                                       fixed=one_thread),
                                             providers=["CPUExecutionProvider"])
         self.input = self.session.get_inputs()[0].name
         self.single = len(gm.output_names) == 1
@@ -509,8 +510,8 @@ def for_module(gm, asked: str, example: torch.Tensor, threads: int):
         if name in ("eager", "opencv"):
             continue
         try:
-            if name == "onnxruntime":
-                fn = _ModuleOnnx(gm, threads, folder)
+            if name in ("onnxruntime", ONE_THREAD):
+                fn = _ModuleOnnx(gm, threads, folder, one_thread=name == ONE_THREAD)
             else:
                 fn = compiled(gm, [example], dynamic=gm.dynamic_batch)
             got = fn(example)
