@@ -302,7 +302,9 @@ def cached_net(cache, tmp_path, engine="onnxruntime", batch=None):
 
 
 @pytest.mark.parametrize("engine", ["onnxruntime", "opencv", "onnxruntime-1thread"])
-def test_a_cached_engine_is_ready_for_the_first_call(cache, tmp_path, engine):
+def test_a_cached_engine_is_ready_for_the_first_call(cache, tmp_path, engine, monkeypatch):
+    """Built at construction, and the first forward already takes the steady call's short path
+    (``LeanForward.direct``), with either way of feeding it."""
     if engine == "opencv":
         pytest.importorskip("cv2", reason="OpenCV")
     weights = cached_net(cache, tmp_path, engine)
@@ -310,8 +312,16 @@ def test_a_cached_engine_is_ready_for_the_first_call(cache, tmp_path, engine):
     eager = Net(str(CIFAR), brewnet.TEST, weights=str(weights), engine="eager")
     assert net._lean.engine is not None and net._lean.engine.name == engine
     assert not net.blobs["prob"].data.any(), "the check at construction leaves the blobs alone"
+    took = []
+    direct = lean.LeanForward.direct
+    monkeypatch.setattr(lean.LeanForward, "direct",
+                        lambda self, ins: took.append((self, direct(self, ins))) or took[-1][1])
     xs = inputs(net, 4)
-    got, want = outputs(net, xs), outputs(eager, xs)
+    net.blobs["data"].data[...] = xs[0]
+    got = [{k: v.copy() for k, v in net.forward().items()}] + outputs(net, xs[1:])
+    want = outputs(eager, xs)
+    mine = [out for who, out in took if who is net._lean]
+    assert len(mine) == 4 and all(out is not None for out in mine)
     assert net._lean.traces == 0 and net._lean.engine.name == engine   # no trace, no pick
     for g, w in zip(got, want):
         assert_close(g, w, engines.RTOL[torch.float32])

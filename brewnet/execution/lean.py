@@ -403,6 +403,8 @@ class LeanForward:
             self._switch(self._input_key())
             self.engine, self.cached = ready
             self._picked = True
+            self._saved = [net.blobs[n].tensor.detach().clone() for n in net.inputs]
+            self._bind_direct()            # the first forward can take the steady call
 
     def plain(self, xs) -> tuple:
         """The plain path's outputs on inputs ``xs``, every blob left as it was."""

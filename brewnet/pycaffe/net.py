@@ -33,14 +33,15 @@ class Net(core.Net):
     """pycaffe's ``caffe.Net``: ``Net(prototxt, phase, level=0, stages=(), weights=None)``, and
     the older orders ``Net(prototxt, phase)`` and ``Net(prototxt, weights, phase)``.
     ``engine``: what runs repeated whole forwards of a forward-only net (auto, eager, compiled,
-    onnxruntime: brewnet/execution/engines.py; default ``BREWNET_ENGINE``, else auto).
+    onnxruntime, onnxruntime-1thread, opencv: brewnet/execution/engines.py; default
+    ``BREWNET_ENGINE``, else auto).
     ``precision="bf16"`` (opt-in, ``BREWNET_PRECISION``): those forwards in bfloat16 from the
     first call, on CPUs with AMX or AVX512-BF16; fp32 (Caffe's numbers) is the default."""
 
     def __init__(self, *args, engine: str | None = None, precision: str | None = None, **kwargs):
         self.engine = engines.engine_name(engine)
         self.precision = engines.precision_name(precision)
-        if self.engine == "onnxruntime":
+        if self.engine in ("onnxruntime", engines.ONE_THREAD):
             engines.need_onnxruntime()      # asked for by name: missing is the user's error now
         refusal = engines.bf16_refusal() if self.precision == "bf16" else None
         if refusal:
@@ -49,7 +50,7 @@ class Net(core.Net):
         # the engine a cache knows, ready for the first call; only on trained weights (a net
         # filled at random gets its weights next: an ONNX file of those would be waste)
         if self.weights_file:
-            self._lean.prepare()
+            self._prepare_engine()
 
     def copy_from(self, path) -> None:
         """pycaffe's ``copy_from``; the engine the cache knows for these weights is made ready."""
@@ -57,7 +58,7 @@ class Net(core.Net):
         lean = self._lean
         if not lean.running and lean.gm is None:      # (a running graph rebuilds its engine)
             lean.engine = None
-            lean.prepare()
+            self._prepare_engine()
 
     def forward(self, blobs=None, start=None, end=None, **inputs):
         """pycaffe's ``Net.forward``: feed ``inputs`` (numpy arrays keyed by input blob name),
@@ -99,7 +100,14 @@ class Net(core.Net):
         super().reshape()
         lean = self.__dict__.get("_lean")        # (none yet while the net is being built)
         if lean is not None and not lean.running:
-            lean.prepare()
+            self._prepare_engine()
+
+    def _prepare_engine(self) -> None:
+        """The engine the cache chose, built for the first call, which can then take the steady
+        call's short path: the allocator is set now, as the first general forward sets it."""
+        self._lean.prepare()
+        if self._lean.engine is not None:
+            process.configure(self.device, keep_memory=True)
 
     @functools.cached_property
     def _lean(self) -> LeanForward:
