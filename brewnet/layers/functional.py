@@ -293,23 +293,34 @@ class _DnnInnerProduct(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        lin, dy = _dnn_linear(), dy.contiguous()
-        dx = dw = db = None
-        if determinism.mkl_strict():
-            large = 2 * x.numel() * dy.shape[1] >= threads.TINY_FLOPS   # (strict splits tiny ones)
-            with determinism.blas_on_torch_threads() if large else determinism.blas_on_one_thread_here():
-                if ctx.needs_input_grad[0]:
-                    dx = dy @ (w.t() if ctx.transpose else w)
-                if ctx.needs_input_grad[1]:
-                    dw = x.t() @ dy if ctx.transpose else dy.t() @ x
-        elif ctx.needs_input_grad[0]:       # dy W: the weight argument is W^T, i.e. the stored one
-            dx = lin(dy, w if ctx.transpose else w.t(), None)
-        if ctx.needs_input_grad[1] and dw is None:   # dy^T x (N, K), or x^T dy (K, N) transposed
-            dyt, xt = dy.t().contiguous(), x.t().contiguous()
-            dw = lin(xt, dyt, None) if ctx.transpose else lin(dyt, xt, None)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy.sum(0)
+        dy = dy.contiguous()
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx, dw = (_mkl_grads if determinism.mkl_strict() else _dnn_grads)(
+            dy, x, w, ctx.transpose, need_dx, need_dw)
+        db = dy.sum(0) if ctx.has_bias and need_db else None
         return dx, dw, db, None
+
+
+def _mkl_grads(dy, x, w, transpose: bool, need_dx: bool, need_dw: bool):
+    """(dx, dw) as MKL products: on torch's threads when large, else on one (strict mode still
+    splits tiny products by thread count)."""
+    large = 2 * x.numel() * dy.shape[1] >= threads.TINY_FLOPS
+    with determinism.blas_on_torch_threads() if large else determinism.blas_on_one_thread_here():
+        dx = dy @ (w.t() if transpose else w) if need_dx else None
+        dw = (x.t() @ dy if transpose else dy.t() @ x) if need_dw else None
+    return dx, dw
+
+
+def _dnn_grads(dy, x, w, transpose: bool, need_dx: bool, need_dw: bool):
+    """(dx, dw) as oneDNN inner products (dx = dy W: the weight argument is W^T, the stored one;
+    dw = dy^T x (N, K), or x^T dy (K, N) when transposed)."""
+    lin = _dnn_linear()
+    dx = lin(dy, w if transpose else w.t(), None) if need_dx else None
+    dw = None
+    if need_dw:
+        dyt, xt = dy.t().contiguous(), x.t().contiguous()
+        dw = lin(xt, dyt, None) if transpose else lin(dyt, xt, None)
+    return dx, dw
 
 
 def inner_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,

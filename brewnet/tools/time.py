@@ -27,6 +27,7 @@ from .common import (
 
 COMMAND = "time"
 HELP = "benchmark a model: average forward/backward time per layer and in total (Caffe's 'caffe time')"
+TIMED_ENGINES = "eager,onnxruntime,onnxruntime-1thread,opencv,compiled"   # --engines alone
 log = logging.getLogger("brewnet")
 
 
@@ -36,11 +37,9 @@ def add_arguments(p) -> None:
                    help="number of timed passes (default 50)")
     p.add_argument("--phase", "-phase", default="TRAIN", choices=["TRAIN", "TEST"],
                    help="network phase (default TRAIN)")
-    p.add_argument("--engines", nargs="?", metavar="A,B",
-                   const="eager,onnxruntime,onnxruntime-1thread,opencv,compiled",
+    p.add_argument("--engines", nargs="?", metavar="A,B", const=TIMED_ENGINES,
                    help="time whole forwards of a deploy net on each inference engine instead "
-                        "(default: eager,onnxruntime,onnxruntime-1thread,opencv,compiled) and say which "
-                        "auto picks")
+                        f"(default: {TIMED_ENGINES}) and say which auto picks")
     p.add_argument("--weights", "-weights", metavar="W", help="with --engines: trained weights")
     add_gpu_flag(p)
     add_net_state_flags(p)
@@ -127,8 +126,7 @@ def run_engines(args) -> int:
     try:
         names = [engines.engine_name(n.strip(), "--engines") for n in args.engines.split(",") if n.strip()]
         if "auto" in names or not names:
-            raise CLIError("--engines lists engines to time: eager, onnxruntime, "
-                           "onnxruntime-1thread, opencv, compiled")
+            raise CLIError(f"--engines lists engines to time: {TIMED_ENGINES.replace(',', ', ')}")
         if "eager" not in names:
             names.insert(0, "eager")
         ms = time_engines(args.model, names, args.iterations, args.weights, args.level, stages(args.stage))
