@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -276,6 +277,25 @@ def test_one_thread_onnxruntime_is_tried_for_short_calls_only(cache, monkeypatch
         eager.share_with(net)
         for g, w in zip(got, outputs(eager, xs)):
             assert_close(g, w, engines.RTOL[torch.float32])
+
+
+def test_each_candidate_is_timed_after_the_last_ones_threads_have_settled():
+    """A runtime called just after another runs slower (the other's pool still spins): auto must
+    time each one as it runs alone. Two fakes: "spinner" takes 2 ms; "victim" 1 ms, but 6 ms
+    while the spinner ran within the last 30 ms. Timed one call after the spinner, the victim
+    would look the slower and lose."""
+    last = {"spin": -1.0}
+
+    def spinner(_):
+        time.sleep(0.002)
+        last["spin"] = time.perf_counter()
+
+    def victim(_):
+        time.sleep(0.006 if time.perf_counter() - last["spin"] < 0.03 else 0.001)
+
+    assert engines.SETTLE_S >= 0.03
+    ms = engines.measure({"spinner": spinner, "victim": victim}, [torch.zeros(1)], budget_s=0.0)
+    assert ms["victim"] < ms["spinner"] < 0.004, ms
 
 
 def test_a_cached_choice_is_taken_at_the_lean_call_at_the_defaults(cache):

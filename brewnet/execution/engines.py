@@ -28,7 +28,12 @@ ONE_THREAD = "onnxruntime-1thread"      # ONNX Runtime on one thread: auto's pic
 ENGINES = ("auto", "eager", "compiled", "onnxruntime", "opencv", ONE_THREAD)
 PRECISIONS = ("fp32", "bf16")
 MEASURE_S = 2.0       # auto: the timing of the candidates on one input shape stops after this
-ROUNDS = (3, 7)       # auto: timed calls per candidate, at least and at most (alternating)
+ROUNDS = (2, 5)       # auto: rounds over the candidates, at least and at most (alternating)
+# auto: in each round a candidate runs untimed for SETTLE_S (one call at least), then BLOCK timed
+# calls. After a call, ONNX Runtime's and OpenCV's pools spin for tens of ms and slow whichever
+# runtime comes next: MTCNN's R-Net at batch 16, OpenCV timed one call after ONNX Runtime took
+# 1.63 ms a call against 0.80 alone, and auto kept ONNX Runtime (1.04).
+SETTLE_S, BLOCK = 0.06, 2
 WARMUP = (3, 20)      # auto: untimed calls of each candidate before the timed ones, at least
 WARMUP_S = 0.5        # and at most, stopping once they took this long
 # auto accepts a candidate whose outputs are within RTOL of the eager outputs' largest magnitude:
@@ -324,10 +329,10 @@ def cached_choice(net, shapes) -> tuple[dict, dict | None]:
 
 
 def measure(runners: dict, xs, budget_s: float = MEASURE_S, direct: bool = False) -> dict[str, float]:
-    """Seconds per call of each runner on ``xs`` (its fastest), alternating, within ``budget_s``. Each
-    timed call follows an untimed one of the same runner: ONNX Runtime's and OpenCV's threads
-    spin for a while after a call and would slow whichever runner comes next. ``direct``: an
-    engine with numpy I/O is timed on arrays, as its steady call runs (LeanForward.direct)."""
+    """Seconds per call of each runner on ``xs`` (its fastest), alternating, within ``budget_s``.
+    Each candidate's timed calls follow its own untimed ones for ``SETTLE_S``, so that each is
+    timed as a process running it alone would run it. ``direct``: an engine with numpy I/O is
+    timed on arrays, as its steady call runs (LeanForward.direct)."""
     if direct:
         arrays = [x.detach().contiguous().numpy() for x in xs]
         runners = {k: (lambda _, r=r: r.arrays(arrays)) if hasattr(r, "arrays") else r
@@ -338,8 +343,11 @@ def measure(runners: dict, xs, budget_s: float = MEASURE_S, direct: bool = False
     t_end = time.perf_counter() + budget_s
     for r in range(ROUNDS[1]):
         for k, fn in (runners.items() if r % 2 == 0 else reversed(runners.items())):
+            t_settle = time.perf_counter() + SETTLE_S
             fn(xs)
-            times[k].append(_time(fn, xs))
+            while time.perf_counter() < t_settle:
+                fn(xs)
+            times[k] += [_time(fn, xs) for _ in range(BLOCK)]
         if r + 1 >= ROUNDS[0] and time.perf_counter() > t_end:
             break
     # the fastest call of each: what the runtime can do here, least moved by a busy neighbour
