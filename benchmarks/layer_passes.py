@@ -24,11 +24,12 @@ import torch.nn.functional as F
 import brewnet.layers.common as common
 import brewnet.layers.functional as Fn
 import brewnet.layers.neuron as neuron
+import brewnet.layers.pooling as Pool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import make_layer  # noqa: E402
 
-_new_max_pool2d = Fn.max_pool2d
+_new_max_pool2d = Pool.max_pool2d
 
 
 # -- the formulas before the inference forms ---------------------------------------------------
@@ -41,8 +42,8 @@ def prelu_before(x, slope):
 def max_pool2d_before(x, kernel, stride, pad, ceil_mode=True, return_mask=False):
     """The old no-mask path where torch's windows are Caffe's: no clamp to -FLT_MAX."""
     in_hw = tuple(x.shape[-2:])
-    out_hw = Fn.pool_out_shape(in_hw, kernel, stride, pad, ceil_mode)
-    if not return_mask and Fn._native_pool_ok(in_hw, out_hw, kernel, stride, pad, ceil_mode):
+    out_hw = Pool.pool_out_shape(in_hw, kernel, stride, pad, ceil_mode)
+    if not return_mask and Pool._native_pool_ok(in_hw, out_hw, kernel, stride, pad, ceil_mode):
         return F.max_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode), None
     return _new_max_pool2d(x, kernel, stride, pad, ceil_mode, return_mask)
 

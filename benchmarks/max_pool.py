@@ -8,7 +8,7 @@ run them. Columns, ms of the forward (top and what the backward needs) and of th
 bottom's gradient), median of ``--rounds``, the candidates interleaved in each round (the
 machine may be shared):
 
-- ``torch``: ``max_pool2d_with_indices`` and its backward, what ``functional.max_pool2d`` runs;
+- ``torch``: ``max_pool2d_with_indices`` and its backward, what ``pooling.max_pool2d`` runs;
 - ``views``: the maximum of the k*k strided views of the NHWC plane (-inf past the edge), the
   first maximum's window offset as one uint8 per output, and a backward adding each offset's
   gradient into its strided view of a zeroed bottom gradient, the views in reverse window order
@@ -36,7 +36,7 @@ import brewnet  # noqa: E402,F401,I001
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from brewnet.layers.functional import pool_out_shape  # noqa: E402
+from brewnet.layers.pooling import pool_out_shape  # noqa: E402
 
 # (pooling, bottom N, C, H, W, kernel, stride) of the BVLC prototxts' MAX poolings
 SHAPES = [

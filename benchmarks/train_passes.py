@@ -5,7 +5,7 @@ against the autograd chain brewnet runs, forward + backward, at the training net
     python benchmarks/train_passes.py --nets lenet,cifar10_quick,caffenet [--rounds 15]
     python benchmarks/train_passes.py --profile caffenet [--rounds 10]
 
-Rows: MAX pooling's -FLT_MAX floor (``functional._MaxPool2d``: the floor in place and one
+Rows: MAX pooling's -FLT_MAX floor (``pooling._MaxPool2d``: the floor in place and one
 ``threshold_backward`` in the backward, against ``clamp_min`` under autograd: a copy forward,
 ``ge`` + ``where`` backward); LRN across channels (``functional._LRNAcross``: Caffe's backward
 formula, against autograd through ``avg_pool1d``, ``pow`` and the products); SoftmaxWithLoss with
@@ -38,6 +38,7 @@ import brewnet  # noqa: E402,F401,I001  (before torch, as the CLI)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from brewnet.layers import functional as Fn  # noqa: E402
+from brewnet.layers import pooling as Pool  # noqa: E402
 from brewnet.layers import loss as L  # noqa: E402
 from conv_wgrad import same_on  # noqa: E402
 from layer_passes import lrn_across_before  # noqa: E402
@@ -47,11 +48,11 @@ CL = torch.channels_last
 
 def pool_before(x, k, s):
     """MAX pooling under autograd before ``_MaxPool2d``: torch's, then the floor out of place."""
-    return F.max_pool2d(x, k, s, 0, ceil_mode=True).clamp_min(-Fn.FLT_MAX)
+    return F.max_pool2d(x, k, s, 0, ceil_mode=True).clamp_min(-Pool.FLT_MAX)
 
 
 def pool_now(x, k, s):
-    return Fn.max_pool2d(x, (k, k), (s, s), (0, 0))[0]
+    return Pool.max_pool2d(x, (k, k), (s, s), (0, 0))[0]
 
 
 class LossGradInForward(torch.autograd.Function):
@@ -102,7 +103,7 @@ CASES = [
 
 
 def max_pool2d_before(x, kernel, stride, pad, ceil_mode=True, return_mask=False):
-    """``functional.max_pool2d`` before ``_MaxPool2d`` on the nets' (native) windows."""
+    """``pooling.max_pool2d`` before ``_MaxPool2d`` on the nets' (native) windows."""
     if not return_mask and Fn.grad_needed(x):
         return pool_before(x, kernel[0], stride[0]), None
     return _max_pool2d(x, kernel, stride, pad, ceil_mode, return_mask)
@@ -113,7 +114,7 @@ def lrn_before(x, size, alpha, beta, k):
         _lrn(x, size, alpha, beta, k)
 
 
-_max_pool2d, _lrn, _nhwc = Fn.max_pool2d, Fn.lrn_across_channels, Fn._nhwc
+_max_pool2d, _lrn, _nhwc = Pool.max_pool2d, Fn.lrn_across_channels, Fn._nhwc
 PATHS = {"before": (max_pool2d_before, lrn_before, lambda x: False),
          "now": (_max_pool2d, _lrn, _nhwc)}
 
@@ -145,13 +146,13 @@ def profile(name, rounds: int) -> None:
     net, _ = train_net(name)
     tables = {}
     for key, patch in PATHS.items():
-        Fn.max_pool2d, Fn.lrn_across_channels, Fn._nhwc = patch
+        Pool.max_pool2d, Fn.lrn_across_channels, Fn._nhwc = patch
         time_net(net, 2, warmup=0)
         with prof() as p:
             time_net(net, rounds, warmup=0)
         tables[key] = {e.key: (e.self_cpu_time_total / rounds / 1e3, e.count / rounds)
                        for e in p.key_averages()}
-    Fn.max_pool2d, Fn.lrn_across_channels, Fn._nhwc = PATHS["now"]
+    Pool.max_pool2d, Fn.lrn_across_channels, Fn._nhwc = PATHS["now"]
     ops = sorted(set(tables["before"]) | set(tables["now"]),
                  key=lambda k: -max(t.get(k, (0, 0))[0] for t in tables.values()))
     print(f"{name}: ms a forward + backward by op (self CPU), calls a pass\n")
@@ -174,11 +175,11 @@ def nets(names, rounds: int) -> None:
         got: dict = {k: [] for k in PATHS}
         for r in range(rounds + 2):
             for key, (pool, lrn, nhwc) in PATHS.items():
-                Fn.max_pool2d, Fn.lrn_across_channels, Fn._nhwc = pool, lrn, nhwc
+                Pool.max_pool2d, Fn.lrn_across_channels, Fn._nhwc = pool, lrn, nhwc
                 ms = time_net(net, 1, warmup=0).iteration_ms[0]
                 if r >= 2:                       # two warm-up rounds
                     got[key].append(ms)
-        Fn.max_pool2d, Fn.lrn_across_channels, Fn._nhwc = PATHS["now"]
+        Pool.max_pool2d, Fn.lrn_across_channels, Fn._nhwc = PATHS["now"]
         b, a = (statistics.median(got[k]) for k in PATHS)
         print(f"| {name} | {shape[0]} | {n} | {b:.1f} | {a:.1f} | {b / a:.3f}x |", flush=True)
 

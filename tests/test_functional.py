@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from brewnet.layers import functional as Fn
+from brewnet.layers import pooling as Pool
 
 FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -78,15 +79,15 @@ def pool_configs(count, seed, max_pad_ok=True):
 
 # -- output sizes ---------------------------------------------------------------------------------
 def test_pool_out_shape_catalog():
-    assert Fn.pool_out_shape((6, 5), (3, 3), (2, 2), (0, 0)) == (3, 2)      # TestSetup
-    assert Fn.pool_out_shape((6, 5), (3, 3), (2, 2), (1, 1)) == (4, 3)      # TestSetupPadded
-    assert Fn.pool_out_shape((8, 8), (3, 3), (2, 2), (0, 0)) == (4, 4)      # ceil rule 8 -> 4
-    assert Fn.pool_out_shape((8, 8), (3, 3), (2, 2), (0, 0), False) == (3, 3)
-    assert Fn.pool_out_shape((5, 5), (2, 2), (2, 2), (1, 1)) == (3, 3)      # pad clipping
+    assert Pool.pool_out_shape((6, 5), (3, 3), (2, 2), (0, 0)) == (3, 2)      # TestSetup
+    assert Pool.pool_out_shape((6, 5), (3, 3), (2, 2), (1, 1)) == (4, 3)      # TestSetupPadded
+    assert Pool.pool_out_shape((8, 8), (3, 3), (2, 2), (0, 0)) == (4, 4)      # ceil rule 8 -> 4
+    assert Pool.pool_out_shape((8, 8), (3, 3), (2, 2), (0, 0), False) == (3, 3)
+    assert Pool.pool_out_shape((5, 5), (2, 2), (2, 2), (1, 1)) == (3, 3)      # pad clipping
     # no padding: no clipping, even when the last window starts past the image
-    assert Fn.pool_out_shape((5, 5), (1, 1), (3, 3), (0, 0)) == (3, 3)
+    assert Pool.pool_out_shape((5, 5), (1, 1), (3, 3), (0, 0)) == (3, 3)
     # one non-zero pad turns clipping on for both dims
-    assert Fn.pool_out_shape((5, 5), (2, 1), (2, 3), (1, 0)) == (3, 2)
+    assert Pool.pool_out_shape((5, 5), (2, 1), (2, 3), (1, 0)) == (3, 2)
 
 
 def test_conv_deconv_out_size():
@@ -105,17 +106,17 @@ def test_max_pool_matches_caffe_loops(seed):
     for hw, k, s, p, ceil_mode in pool_configs(60, seed):
         rng = np.random.default_rng(seed)
         x = rng.integers(-3, 4, size=(1, 2) + hw).astype(np.float64)   # many ties
-        g = rng.standard_normal((1, 2) + Fn.pool_out_shape(hw, k, s, p, ceil_mode))
+        g = rng.standard_normal((1, 2) + Pool.pool_out_shape(hw, k, s, p, ceil_mode))
         top, mask, bdiff = ref_pool(x, "MAX", k, s, p, ceil_mode, g)
         xt = torch.tensor(x, requires_grad=True)
-        y, m = Fn.max_pool2d(xt, k, s, p, ceil_mode, return_mask=True)
+        y, m = Pool.max_pool2d(xt, k, s, p, ceil_mode, return_mask=True)
         (y * torch.tensor(g)).sum().backward()
         where = f"hw={hw} k={k} s={s} p={p} ceil={ceil_mode}"
         np.testing.assert_array_equal(y.detach().numpy(), top, err_msg=where)
         np.testing.assert_array_equal(m.numpy(), mask, err_msg=where)
         np.testing.assert_allclose(xt.grad.numpy(), bdiff, atol=1e-12, err_msg=where)
-        out_hw = Fn.pool_out_shape(hw, k, s, p, ceil_mode)
-        if Fn._native_pool_ok(hw, out_hw, k, s, p, ceil_mode):
+        out_hw = Pool.pool_out_shape(hw, k, s, p, ceil_mode)
+        if Pool._native_pool_ok(hw, out_hw, k, s, p, ceil_mode):
             native += 1
         else:
             general += 1
@@ -128,17 +129,17 @@ def test_ave_pool_matches_caffe_loops(seed):
     for hw, k, s, p, ceil_mode in pool_configs(60, seed):
         rng = np.random.default_rng(seed)
         x = rng.standard_normal((2, 1) + hw)
-        out_hw = Fn.pool_out_shape(hw, k, s, p, ceil_mode)
+        out_hw = Pool.pool_out_shape(hw, k, s, p, ceil_mode)
         g = rng.standard_normal((2, 1) + out_hw)
         top, _, bdiff = ref_pool(x, "AVE", k, s, p, ceil_mode, g)
         xt = torch.tensor(x, requires_grad=True)
-        y = Fn.ave_pool2d(xt, k, s, p, ceil_mode)
+        y = Pool.ave_pool2d(xt, k, s, p, ceil_mode)
         (y * torch.tensor(g)).nan_to_num().sum().backward()
         where = f"hw={hw} k={k} s={s} p={p} ceil={ceil_mode}"
         np.testing.assert_allclose(y.detach().numpy(), top, rtol=1e-12, atol=1e-12, err_msg=where)
         np.testing.assert_allclose(xt.grad.numpy(), np.nan_to_num(bdiff), atol=1e-12,
                                    err_msg=where)
-        if Fn._native_pool_ok(hw, out_hw, k, s, p, ceil_mode):
+        if Pool._native_pool_ok(hw, out_hw, k, s, p, ceil_mode):
             native += 1
         else:
             general += 1
@@ -150,47 +151,47 @@ def test_native_ave_divisor_is_caffes():
     window clipped to [-p, H+p), e.g. 2 (not 3) rows for the last ceil-rule window of 8 -> 4."""
     checked = 0
     for hw, k, s, p, ceil_mode in pool_configs(200, 7):
-        out_hw = Fn.pool_out_shape(hw, k, s, p, ceil_mode)
-        if not Fn._native_pool_ok(hw, out_hw, k, s, p, ceil_mode):
+        out_hw = Pool.pool_out_shape(hw, k, s, p, ceil_mode)
+        if not Pool._native_pool_ok(hw, out_hw, k, s, p, ceil_mode):
             continue
         ones = torch.ones((1, 1) + hw, dtype=torch.float64)
         inside = torch.nn.functional.avg_pool2d(ones, k, s, p, ceil_mode=ceil_mode,
                                                 divisor_override=1)[0, 0]
-        div = Fn.ave_pool_divisor(hw, out_hw, k, s, p, dtype=torch.float64)
-        torch.testing.assert_close(Fn.ave_pool2d(ones, k, s, p, ceil_mode)[0, 0], inside / div)
+        div = Pool.ave_pool_divisor(hw, out_hw, k, s, p, dtype=torch.float64)
+        torch.testing.assert_close(Pool.ave_pool2d(ones, k, s, p, ceil_mode)[0, 0], inside / div)
         checked += 1
     assert checked > 50
-    d = Fn.ave_pool_divisor((8, 8), (4, 4), (3, 3), (2, 2), (0, 0))
+    d = Pool.ave_pool_divisor((8, 8), (4, 4), (3, 3), (2, 2), (0, 0))
     assert d[3, 3] == 4 and d[0, 0] == 9 and d[0, 3] == 6
 
 
 def test_max_pool_caffe_literals():
     row = [[1, 2, 5, 2, 3], [9, 4, 1, 4, 8], [1, 2, 5, 2, 3]]
     x = torch.tensor([[row, row], [row, row]], dtype=torch.float32)         # 2x2x3x5
-    y, m = Fn.max_pool2d(x, (2, 2), (1, 1), (0, 0), return_mask=True)
+    y, m = Pool.max_pool2d(x, (2, 2), (1, 1), (0, 0), return_mask=True)
     assert y[1, 1].tolist() == [[9, 5, 5, 8], [9, 5, 5, 8]]
     assert m[0, 1].tolist() == [[5, 2, 2, 9], [5, 12, 12, 9]]
     magic = torch.tensor([[35, 1, 6, 26, 19, 24], [3, 32, 7, 21, 23, 25], [31, 9, 2, 22, 27, 20],
                           [8, 28, 33, 17, 10, 15], [30, 5, 34, 12, 14, 16],
                           [4, 36, 29, 13, 18, 11]], dtype=torch.float32)[None, None]
-    y, m = Fn.max_pool2d(magic, (3, 2), (1, 1), (0, 0), return_mask=True)    # RectHigh
+    y, m = Pool.max_pool2d(magic, (3, 2), (1, 1), (0, 0), return_mask=True)    # RectHigh
     assert y[0, 0].tolist() == [[35, 32, 26, 27, 27], [32, 33, 33, 27, 27],
                                 [31, 34, 34, 27, 27], [36, 36, 34, 18, 18]]
     assert m[0, 0].tolist() == [[0, 7, 3, 16, 16], [7, 20, 20, 16, 16], [12, 26, 26, 16, 16],
                                 [31, 31, 26, 34, 34]]
-    y, m = Fn.max_pool2d(magic, (2, 3), (1, 1), (0, 0), return_mask=True)    # RectWide
+    y, m = Pool.max_pool2d(magic, (2, 3), (1, 1), (0, 0), return_mask=True)    # RectWide
     assert y[0, 0].tolist() == [[35, 32, 26, 26], [32, 32, 27, 27], [33, 33, 33, 27],
                                 [34, 34, 34, 17], [36, 36, 34, 18]]
     one_based = [[1, 8, 4, 4], [8, 8, 17, 17], [21, 21, 21, 17], [27, 27, 27, 22],
                  [32, 32, 27, 35]]
     assert (m[0, 0] + 1).tolist() == one_based
     x = torch.tensor([[1, 2, 4], [2, 3, 2], [4, 2, 1]], dtype=torch.float32)[None, None]
-    y, _ = Fn.max_pool2d(x, (3, 3), (2, 2), (2, 2))                          # MaxPadded
+    y, _ = Pool.max_pool2d(x, (3, 3), (2, 2), (2, 2))                          # MaxPadded
     assert y[0, 0].tolist() == [[1, 4, 4], [4, 4, 4], [4, 4, 1]]
 
 
 def test_ave_pool_caffe_literal():
-    y = Fn.ave_pool2d(torch.full((1, 1, 3, 3), 2.0, dtype=torch.float64), (3, 3), (1, 1), (1, 1))
+    y = Pool.ave_pool2d(torch.full((1, 1, 3, 3), 2.0, dtype=torch.float64), (3, 3), (1, 1), (1, 1))
     expect = torch.tensor([[8 / 9, 4 / 3, 8 / 9], [4 / 3, 2, 4 / 3], [8 / 9, 4 / 3, 8 / 9]],
                           dtype=torch.float64)
     torch.testing.assert_close(y[0, 0], expect)
@@ -199,11 +200,11 @@ def test_ave_pool_caffe_literal():
 def test_max_pool_empty_and_minus_inf_windows():
     # H=5, k=1, s=3, no pad: Caffe's third window starts at 6 (no clipping without padding)
     x = torch.arange(25.0).view(1, 1, 5, 5)
-    y, m = Fn.max_pool2d(x, (1, 1), (3, 3), (0, 0), return_mask=True)
+    y, m = Pool.max_pool2d(x, (1, 1), (3, 3), (0, 0), return_mask=True)
     assert y.shape == (1, 1, 3, 3) and y[0, 0, 2, 2].item() == -FLT_MAX
     assert m[0, 0, :, 2].tolist() == [-1, -1, -1] and m[0, 0, 1, 1].item() == 18
     x = torch.full((1, 1, 2, 2), float("-inf"))
-    y, m = Fn.max_pool2d(x, (2, 2), (2, 2), (0, 0), return_mask=True)
+    y, m = Pool.max_pool2d(x, (2, 2), (2, 2), (0, 0), return_mask=True)
     assert y.item() == -FLT_MAX and m.item() == -1
 
 
@@ -214,16 +215,16 @@ def test_max_pool_training_path_floor_gradient_and_bits():
     x = torch.arange(32.0, dtype=torch.float64).view(1, 2, 4, 4).flip(-1).clone()
     x[0, 1, :2, :2] = float("-inf")
     xg = x.clone().requires_grad_()
-    y, m = Fn.max_pool2d(xg, (2, 2), (2, 2), (0, 0), return_mask=True)
+    y, m = Pool.max_pool2d(xg, (2, 2), (2, 2), (0, 0), return_mask=True)
     y.backward(torch.ones_like(y))
     assert y[0, 1, 0, 0].item() == -FLT_MAX and m[0, 1, 0, 0].item() == -1
     assert xg.grad[0, 1, :2, :2].abs().sum() == 0 and xg.grad.sum() == y.numel() - 1
     x = torch.randn(2, 3, 7, 9, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: Fn.max_pool2d(t, (3, 2), (2, 2), (1, 0))[0], (x,))
+    assert torch.autograd.gradcheck(lambda t: Pool.max_pool2d(t, (3, 2), (2, 2), (1, 0))[0], (x,))
     x32 = torch.randn(8, 20, 24, 24).contiguous(memory_format=torch.channels_last)
     dy = torch.randn(8, 20, 12, 12)
-    runs = on_1_2_4_threads(lambda t: Fn.max_pool2d(t, (2, 2), (2, 2), (0, 0))[0], x32, dy)
-    assert torch.equal(runs[0][0], Fn.max_pool2d(x32, (2, 2), (2, 2), (0, 0))[0])
+    runs = on_1_2_4_threads(lambda t: Pool.max_pool2d(t, (2, 2), (2, 2), (0, 0))[0], x32, dy)
+    assert torch.equal(runs[0][0], Pool.max_pool2d(x32, (2, 2), (2, 2), (0, 0))[0])
     assert all(torch.equal(a, b) for r in runs[1:] for a, b in zip(r, runs[0]))
 
 
@@ -247,11 +248,11 @@ def on_1_2_4_threads(fn, x, dy) -> list:
 def test_stochastic_test_is_weighted_average():
     rng = np.random.default_rng(0)
     x = rng.random((2, 3, 5, 6))
-    y = Fn.stochastic_pool2d(torch.tensor(x), (3, 2), (2, 2), train=False)
+    y = Pool.stochastic_pool2d(torch.tensor(x), (3, 2), (2, 2), train=False)
     assert y.shape == (2, 3, 2, 3)
     for ph, pw in itertools.product(range(2), range(3)):
         win = x[:, :, ph * 2:ph * 2 + 3, pw * 2:pw * 2 + 2]
-        ref = (win ** 2).sum((2, 3)) / (win.sum((2, 3)) + Fn.FLT_MIN)
+        ref = (win ** 2).sum((2, 3)) / (win.sum((2, 3)) + Pool.FLT_MIN)
         np.testing.assert_allclose(y[:, :, ph, pw].numpy(), ref, rtol=1e-12)
 
 
@@ -259,7 +260,7 @@ def test_stochastic_train_samples_by_value():
     x = torch.tensor([[1.0, 0.0, 3.0], [0.0, 4.0, 2.0]]).view(1, 1, 2, 3)
     gen = torch.Generator().manual_seed(0)
     xs = x.expand(4000, 1, 2, 3).contiguous()
-    y = Fn.stochastic_pool2d(xs, (2, 3), (1, 1), train=True, generator=gen)
+    y = Pool.stochastic_pool2d(xs, (2, 3), (1, 1), train=True, generator=gen)
     assert y.shape == (4000, 1, 1, 1)
     values, counts = torch.unique(y, return_counts=True)
     assert set(values.tolist()) <= {1.0, 3.0, 4.0, 2.0}           # never the zeros
@@ -268,7 +269,7 @@ def test_stochastic_train_samples_by_value():
         assert abs(freq[v] - v / 10.0) < 0.03, freq
     # the gradient goes to the sampled element only
     xg = x.clone().requires_grad_(True)
-    out = Fn.stochastic_pool2d(xg, (2, 3), (1, 1), train=True,
+    out = Pool.stochastic_pool2d(xg, (2, 3), (1, 1), train=True,
                                generator=torch.Generator().manual_seed(3))
     out.sum().backward()
     assert xg.grad.sum().item() == 1.0 and x.view(-1)[xg.grad.view(-1).argmax()] == out.item()
@@ -456,12 +457,12 @@ def _distinct(shape, seed=0):
                                    ((1, 1), (3, 3), (0, 0))])
 def test_gradcheck_pooling(k, s, p):
     x = _distinct((2, 2, 7, 6))
-    assert torch.autograd.gradcheck(lambda t: Fn.max_pool2d(t, k, s, p)[0], (x,))
-    assert torch.autograd.gradcheck(lambda t: Fn.ave_pool2d(t, k, s, p).nan_to_num(), (x,))
+    assert torch.autograd.gradcheck(lambda t: Pool.max_pool2d(t, k, s, p)[0], (x,))
+    assert torch.autograd.gradcheck(lambda t: Pool.ave_pool2d(t, k, s, p).nan_to_num(), (x,))
     if not any(p):
-        assert torch.autograd.gradcheck(lambda t: Fn.stochastic_pool2d(t, k, s, False), (x,))
+        assert torch.autograd.gradcheck(lambda t: Pool.stochastic_pool2d(t, k, s, False), (x,))
         assert torch.autograd.gradcheck(
-            lambda t: Fn.stochastic_pool2d(t, k, s, True, generator=torch.Generator()
+            lambda t: Pool.stochastic_pool2d(t, k, s, True, generator=torch.Generator()
                                            .manual_seed(5)), (x,))
 
 

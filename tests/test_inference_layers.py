@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import brewnet.layers.functional as Fn
+import brewnet.layers.pooling as Pool
 from brewnet.layers.common import eltwise_max, eltwise_sum
 from brewnet.layers.neuron import prelu
 from helpers import GOLDEN_LAYERS, gradcheck_layer, have, make_layer
@@ -145,16 +145,16 @@ def test_max_pool_windows_of_minus_inf_give_minus_flt_max_in_both_forms(kernel, 
     if nhwc:
         x = x.contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
-        y, _ = Fn.max_pool2d(x, kernel, stride, pad)
+        y, _ = Pool.max_pool2d(x, kernel, stride, pad)
     assert not torch.isneginf(y).any() and (y[0, 0] == -FLT_MAX).all()
     xg = x.clone().requires_grad_()
-    yg, _ = Fn.max_pool2d(xg, kernel, stride, pad)
+    yg, _ = Pool.max_pool2d(xg, kernel, stride, pad)
     assert same_bits(y, yg)
     yg.sum().backward()
     assert (xg.grad[0, 0] == 0).all()        # Caffe: mask -1, no gradient from such a window
     # the mask path agrees on the values
     with torch.no_grad():
-        ym, m = Fn.max_pool2d(x, kernel, stride, pad, return_mask=True)
+        ym, m = Pool.max_pool2d(x, kernel, stride, pad, return_mask=True)
     assert same_bits(y, ym) and (m[0, 0] == -1).all()
 
 
@@ -164,7 +164,7 @@ def test_max_pool_in_half_precision(dtype):
     x = torch.full((1, 1, 4, 4), float("-inf"), dtype=dtype)
     x[0, 0, 0, 0] = 1.0
     with torch.no_grad():
-        y, _ = Fn.max_pool2d(x, (2, 2), (2, 2), (0, 0))
+        y, _ = Pool.max_pool2d(x, (2, 2), (2, 2), (0, 0))
     assert y.dtype == dtype and y.view(-1).tolist() == [1.0] + [float("-inf")] * 3
 
 
@@ -173,10 +173,10 @@ def test_max_pool_clamps_its_own_output_in_place_with_or_without_grad():
     x = torch.randn(1, 2, 6, 6)
     keep = x.clone()
     with torch.no_grad():
-        assert "clamp_min_" in ops(Fn.max_pool2d, x, (2, 2), (2, 2), (0, 0))
-        y = Fn.max_pool2d(x, (2, 2), (2, 2), (0, 0))[0]
+        assert "clamp_min_" in ops(Pool.max_pool2d, x, (2, 2), (2, 2), (0, 0))
+        y = Pool.max_pool2d(x, (2, 2), (2, 2), (0, 0))[0]
     xg = x.clone().requires_grad_()
-    yg = Fn.max_pool2d(xg, (2, 2), (2, 2), (0, 0))[0]
+    yg = Pool.max_pool2d(xg, (2, 2), (2, 2), (0, 0))[0]
     assert same_bits(y, yg) and yg.requires_grad and same_bits(x, keep) and same_bits(xg.detach(), keep)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import functional as Fn
+from . import pooling as Pool
 from .base import Layer, canonical_axis, count
 from .registry import register
 
@@ -229,10 +230,10 @@ def pool2d(x: torch.Tensor, method: int, kernel, stride, pad, ceil_mode: bool, t
            return_mask: bool = False):
     """Dispatch to the functional pooling of ``method``; returns (top, mask or None)."""
     if method == MAX:
-        return Fn.max_pool2d(x, kernel, stride, pad, ceil_mode, return_mask)
+        return Pool.max_pool2d(x, kernel, stride, pad, ceil_mode, return_mask)
     if method == AVE:
-        return Fn.ave_pool2d(x, kernel, stride, pad, ceil_mode), None
-    return Fn.stochastic_pool2d(x, kernel, stride, train, ceil_mode), None
+        return Pool.ave_pool2d(x, kernel, stride, pad, ceil_mode), None
+    return Pool.stochastic_pool2d(x, kernel, stride, train, ceil_mode), None
 
 
 def check_pool_pad(layer: Layer, method: int, kernel, pad, context: str = "") -> None:
@@ -259,7 +260,7 @@ class Pooling(Layer):
     Params: pooling_param pool, kernel_size (or kernel_h/w), stride (or stride_h/w), pad (or
     pad_h/w), global_pooling (kernel = H x W), round_mode.
     Differs from torch: output size rule, pad up to kernel - 1, AVE divisor at the far edge
-    (see functional.max_pool2d / ave_pool2d).
+    (see pooling.max_pool2d / ave_pool2d).
     """
 
     arithmetic = "elementwise"
@@ -314,7 +315,7 @@ class Pooling(Layer):
         shape = tuple(bottom_shapes[0])
         if len(shape) != 4:
             raise self.fail(f"input must have 4 axes (N, C, H, W), got shape {shape}")
-        out = Fn.pool_out_shape(shape[2:], self._kernel(shape[2:]), self.stride, self.pad,
+        out = Pool.pool_out_shape(shape[2:], self._kernel(shape[2:]), self.stride, self.pad,
                                 self.ceil_mode)
         if min(out) <= 0:
             raise self.fail(f"bottom {shape} with kernel {self._kernel(shape[2:])}, stride "
@@ -368,7 +369,7 @@ class SPP(Layer):
         shape = tuple(bottom_shapes[0])
         if len(shape) != 4 or min(shape[2:]) <= 0:
             raise self.fail(f"input must have 4 axes (N, C, H, W) with H, W > 0, got {shape}")
-        sizes = [Fn.pool_out_shape(shape[2:], k, s, p) for k, s, p in self.levels(shape[2:])]
+        sizes = [Pool.pool_out_shape(shape[2:], k, s, p) for k, s, p in self.levels(shape[2:])]
         if self.height == 1:
             return [shape[:2] + sizes[0]]
         return [(shape[0], shape[1] * sum(h * w for h, w in sizes))]
