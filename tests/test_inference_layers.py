@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import brewnet.layers.pooling as Pool
 from brewnet.layers.common import eltwise_max, eltwise_sum
-from brewnet.layers.neuron import prelu
+from brewnet.layers.neuron import _prelu_rows_ok, prelu
 from helpers import GOLDEN_LAYERS, gradcheck_layer, have, make_layer
 
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -67,12 +67,13 @@ def prelu_where(x, slope):
 
 
 # -- PReLU ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", [(2, 5), (2, 5, 7), (3, 5, 6, 7), (2, 5, 2, 3, 4)])
+@pytest.mark.parametrize("shape", [(2, 5), (2, 5, 7), (3, 5, 6, 7), (2, 5, 2, 3, 4), (1, 10, 60, 64)])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("nhwc", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_prelu_inference_form_is_the_where_form_bit_for_bit(shape, shared, nhwc, dtype):
     # Same formula (x > 0 ? x : slope * x): equal bits, signed zeros, NaN and infinities included.
+    # (1, 10, 60, 64) in NHWC with a slope per channel: the NHWC rows form (neuron._prelu_rows_ok)
     x = with_specials(shape, dtype)
     if nhwc and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -82,6 +83,7 @@ def test_prelu_inference_form_is_the_where_form_bit_for_bit(shape, shared, nhwc,
     with torch.no_grad():
         y = prelu(x, slope)
     assert same_bits(y, prelu_where(x, slope)) and y.stride() == prelu_where(x, slope).stride()
+    assert _prelu_rows_ok(x, slope) == (nhwc and not shared and shape == (1, 10, 60, 64))
 
 
 def test_prelu_values_are_caffes_with_its_signed_zeros():
@@ -156,6 +158,34 @@ def test_max_pool_windows_of_minus_inf_give_minus_flt_max_in_both_forms(kernel, 
     with torch.no_grad():
         ym, m = Pool.max_pool2d(x, kernel, stride, pad, return_mask=True)
     assert same_bits(y, ym) and (m[0, 0] == -1).all()
+
+
+@pytest.mark.parametrize("shape,kernel,stride", [
+    ((1, 8, 56, 56), (2, 2), (2, 2)),      # each maximum under torch's grain: they run inline
+    ((1, 16, 57, 57), (3, 3), (2, 2)),
+    ((2, 12, 16, 16), (3, 2), (1, 2)),
+    ((1, 10, 96, 120), (2, 2), (2, 2))])   # 2x2 over few channels (MTCNN P-Net's kind)
+def test_max_pool_as_a_chain_of_maxima_gives_torchs_values(shape, kernel, stride, monkeypatch):
+    """Inference MAX pooling in NHWC takes the chain of maxima where its size rule says so: the
+    values of torch's kernel (NaN at the same places; a zero maximum may differ in sign only,
+    pooling._window_max), -FLT_MAX for a window of -inf only, NHWC out, the input untouched, and
+    the same values as the gradient form."""
+    x = with_specials(shape)
+    x[0, 0, :4, :4] = float("-inf")
+    x = x.contiguous(memory_format=torch.channels_last)
+    keep = x.clone()
+    chained = []
+    real = Pool._window_max
+    monkeypatch.setattr(Pool, "_window_max", lambda *a: chained.append(1) or real(*a))
+    with torch.no_grad():
+        y, _ = Pool.max_pool2d(x, kernel, stride, (0, 0))
+    assert chained, "the size rule did not take the chain"
+    want = torch.nn.functional.max_pool2d(x, kernel, stride, ceil_mode=True).clamp_min(-FLT_MAX)
+    np.testing.assert_array_equal(y.numpy(), want.numpy())       # (NaN == NaN, -0 == +0)
+    assert y.stride() == want.stride() and same_bits(x, keep)
+    assert (y[0, 0, 0, 0] == -FLT_MAX).item()
+    yg, _ = Pool.max_pool2d(x.clone().requires_grad_(), kernel, stride, (0, 0))
+    np.testing.assert_array_equal(y.numpy(), yg.detach().numpy())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

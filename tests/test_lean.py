@@ -345,3 +345,50 @@ def test_an_image_pyramid_gets_its_graph_per_scale_at_the_defaults(monkeypatch):
     for h in range(lean.SHAPES + 2):
         net.forward(data=np.zeros((1, 3, 20 + h, 20), np.float32))
     assert len(net._lean._shapes) == lean.SHAPES
+
+
+def test_mtcnn_pnet_takes_the_size_chosen_kernels_with_the_numbers_of_torchs(monkeypatch):
+    """MTCNN's P-Net on a 320x240 image at the defaults (but for the engine: the graph is what is
+    tested) hits each size rule of the inference kernels: its 10-channel 2x2 pooling as a chain
+    of maxima (brewnet/layers/pooling.py), its 10-channel PReLU as NHWC rows (layers/neuron.py),
+    its 2-output 1x1 convolution on oneDNN (not ``small_conv``, which would copy the 32x115x155
+    input to NCHW: lean.SMALL_CONV_MAX_INPUT). Every call, plain and past the graph's, against
+    the plain path on torch's own kernels: the same values on the plain path, within LEAN_RTOL
+    on the graph."""
+    from pathlib import Path
+
+    from brewnet.execution import lean
+    from brewnet.layers import neuron, pooling
+
+    monkeypatch.delenv("BREWNET_LEAN", raising=False)
+    proto = Path(__file__).resolve().parents[1] / "benchmarks/zoo/nets/mtcnn_det1.prototxt"
+    net = brewnet.pycaffe.Net(str(proto), brewnet.TEST, engine="eager")
+    rng = np.random.default_rng(0)
+    for layer in net.layers:
+        for p in layer.blobs:
+            p.data[...] = rng.standard_normal(p.data.shape) * 0.1
+    net.blobs["data"].reshape(1, 3, 240, 320)
+    net.reshape()
+    x = rng.standard_normal((1, 3, 240, 320)).astype(np.float32)
+    with monkeypatch.context() as m:               # torch's kernels: the rules say no
+        m.setattr(pooling, "_window_max_ok", lambda *a: False)
+        m.setattr(neuron, "_prelu_rows_ok", lambda *a: False)
+        want = plain_forward(net, x, monkeypatch)
+    taken = {"pool": 0, "prelu": 0}
+    for name, key in (("_window_max", "pool"), ("_prelu_rows_ok", "prelu")):
+        mod = pooling if key == "pool" else neuron
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real=real, key=key: (
+            taken.__setitem__(key, taken[key] + bool(real(*a)) if key == "prelu" else taken[key] + 1)
+            or real(*a)))
+    for call in range(lean.AFTER + 3):
+        got = net.forward(data=x)
+        for k, v in want.items():
+            if net._lean.gm is None:
+                np.testing.assert_array_equal(got[k], v)
+            else:
+                assert np.abs(got[k] - v).max() <= LEAN_RTOL * np.abs(v).max(), (call, k)
+    assert taken["pool"] >= 1 and taken["prelu"] >= 1      # (recorded: in the graph as its ops)
+    nodes = net._lean.gm.graph.nodes
+    assert any(getattr(n.target, "__name__", "") == "maximum" for n in nodes)
+    assert not any(n.target is lean.small_conv for n in nodes)

@@ -41,6 +41,10 @@ SHAPES = 8      # input shapes whose graph and engine are kept when the shapes c
 _PER_SHAPE = {"calls": 0, "gm": None, "steps": list, "spent": 0.0, "engine": None, "_picked": False,
               "cached": None, "captured": None, "_addresses": None, "_nhwc_w": dict, "cut": None}
 SMALL_CONV_FLOPS = 4e6     # convolutions below this (whole batch): torch's own im2col + GEMM
+# ... on inputs of at most this many elements in an NHWC graph: it takes NCHW, and the copy costs
+# more than oneDNN's convolution on a large input (MTCNN P-Net's 2-output 1x1 on 32x115x155:
+# an NCHW copy of 742 us and 272 us of GEMM, against 115 us in oneDNN)
+SMALL_CONV_MAX_INPUT = 1 << 16
 # inner products with this many weights or more: oneDNN's (the plain path's threshold,
 # functional.DNN_MIN_WEIGHT, is 2^18: it also counts the backward; at inference LeNet's ip1,
 # 400k weights, takes ~130 us on BLAS and ~215 on oneDNN at batch 1)
@@ -73,6 +77,14 @@ def dnn_linear(x, weight, bias):
     return _dnn_linear()(x, weight, bias)
 
 
+def _conv_input_numel(out, weight, stride, pad) -> int:
+    """The elements of a convolution's input (the part its windows read) from its output."""
+    n, _, oh, ow = out.shape
+    kh, kw = weight.shape[2:]
+    return n * weight.shape[1] * max(1, (oh - 1) * stride[0] + kh - 2 * pad[0]) * \
+        max(1, (ow - 1) * stride[1] + kw - 2 * pad[1])
+
+
 def choose_kernels(gm: torch.fx.GraphModule, channels_last: bool) -> int:
     """Fixed, size-based kernel choices in the graph (never timed, so the numbers never depend
     on the run): small 2-D convolutions go to ``small_conv``; inner products with
@@ -101,6 +113,8 @@ def choose_kernels(gm: torch.fx.GraphModule, channels_last: bool) -> int:
             if weight.dtype != torch.float32 or weight.dim() != 4:
                 continue
             if 2 * out.numel() * weight[0].numel() >= SMALL_CONV_FLOPS:
+                continue
+            if channels_last and _conv_input_numel(out, weight, stride, pad) > SMALL_CONV_MAX_INPUT:
                 continue
             # the layout the recorded convolution gave (an NCHW input gives NCHW)
             new = (small_conv, (x, w, b, list(stride), list(pad), channels_last and not recorded_nchw(n)))

@@ -114,6 +114,44 @@ class _MaxPool2d(torch.autograd.Function):
             dy, x, kernel, stride, pad, [1, 1], ceil_mode, idx), None, None, None, None
 
 
+# Inference MAX pooling on the CPU in NHWC as a chain of maxima where torch's kernel is slow
+# (benchmarks/inference_kernels.py, AVX-512, brewnet's passive OpenMP threads): where each
+# maximum is under torch's grain (32768 elements: it runs inline) while torch's kernel wakes the
+# pool for little work (1x16x56x56 2x2: 94 us against 18), and 2x2 windows over 16 channels or
+# fewer, where torch's loops along the channels are short (MTCNN P-Net's 10 channels, 238x318:
+# 664 us against 412). Elsewhere torch's kernel.
+WINDOW_MAX_INLINE = 32768
+WINDOW_MAX_CHANNELS = 16
+
+
+def _window_max_ok(x, out_hw, kernel, stride, pad) -> bool:
+    if torch.compiler.is_compiling() or x.dim() != 4 or x.device.type != "cpu":
+        return False                   # (a traced graph keeps torch's op; its batch stays symbolic)
+    n, c, h, w = x.shape
+    return (not any(pad) and c > 1 and kernel[0] * kernel[1] > 1   # (1x1: a view, not a new tensor)
+            and (n * c * out_hw[0] * w <= WINDOW_MAX_INLINE
+                 or (tuple(kernel) == tuple(stride) == (2, 2) and c <= WINDOW_MAX_CHANNELS))
+            and x.is_contiguous(memory_format=torch.channels_last)
+            and all((o - 1) * s + k <= d for o, s, k, d in zip(out_hw, stride, kernel, (h, w))))
+
+
+def _window_max(x, out_hw, kernel, stride) -> torch.Tensor:
+    """MAX pooling of windows that all lie inside ``x``, as the element-wise maximum of the
+    strided views of each window offset: rows first, then columns. The same values as torch's
+    kernel (a maximum is exact; NaN wins in both) but for the sign of a zero maximum where a
+    window holds both zeros (torch's kernel keeps the first, the chain may give +0); NHWC in and
+    out."""
+    y = None
+    for i in range(kernel[0]):
+        v = x[:, :, i:i + (out_hw[0] - 1) * stride[0] + 1:stride[0]]
+        y = v if y is None else torch.maximum(y, v)
+    rows, y = y, None
+    for j in range(kernel[1]):
+        v = rows[:, :, :, j:j + (out_hw[1] - 1) * stride[1] + 1:stride[1]]
+        y = v if y is None else torch.maximum(y, v)
+    return y
+
+
 def max_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints, ceil_mode: bool = True,
                return_mask: bool = False):
     """Caffe MAX pooling of (N, C, H, W); returns ``(top, mask)``.
@@ -137,6 +175,8 @@ def max_pool2d(x: torch.Tensor, kernel: Ints, stride: Ints, pad: Ints, ceil_mode
                 return y, None
             return y, torch.where(y > -FLT_MAX, idx.to(x.dtype), torch.full_like(y, -1.0))
         if not return_mask:
+            if _window_max_ok(x, out_hw, kernel, stride, pad):
+                return _clamp_flt_max(_window_max(x, out_hw, kernel, stride), x), None
             y = F.max_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode)
             return _clamp_flt_max(y, x), None
         y, idx = F.max_pool2d(x, tuple(kernel), tuple(stride), tuple(pad), ceil_mode=ceil_mode,
