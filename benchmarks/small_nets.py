@@ -270,18 +270,23 @@ def compile_probe() -> None:
 
 def wait_policy_probe(folder: Path) -> None:
     """LeNet's step with torch's threads fixed (BREWNET_THREADS): one thread, and two threads
-    under libgomp's default wait (OMP_WAIT_POLICY set but empty) and under PASSIVE (what
-    ``import brewnet`` sets), idle and beside a spinning neighbour."""
+    under libgomp's default wait (OMP_WAIT_POLICY set but empty), under PASSIVE alone and with a
+    short spin before sleeping (GOMP_SPINCOUNT; ``import brewnet`` sets PASSIVE with 10000),
+    idle and beside a spinning neighbour."""
     for cond in ("idle", "spin"):
         row = []
-        for threads, policy in (("1", "PASSIVE"), ("2", ""), ("2", "PASSIVE")):
+        for threads, policy, spin in (("1", "PASSIVE", ""), ("2", "", ""), ("2", "PASSIVE", ""),
+                                      ("2", "PASSIVE", "2000"), ("2", "PASSIVE", "5000"), ("2", "PASSIVE", "10000")):
             n = Neighbour(cond, folder, "lenet")
             try:
-                env = dict(ENV, BREWNET_THREADS=threads, OMP_WAIT_POLICY=policy)
+                env = dict(ENV, BREWNET_THREADS=threads, OMP_WAIT_POLICY=policy, GOMP_SPINCOUNT=spin)
+                if not spin:
+                    del env["GOMP_SPINCOUNT"]
                 out = subprocess.run([sys.executable, __file__, "--worker", "lenet", "--folder",
                                       str(folder)], capture_output=True, text=True, env=env, check=True)
                 ms = json.loads(out.stdout.strip().splitlines()[-1])["per_step_s"] * 1e3
-                row.append(f"{threads} thread(s) {policy or 'default'}: {ms:.1f} ms")
+                row.append(f"{threads} thread(s) {policy or 'default'}{' spin ' + spin if spin else ''}: "
+                           f"{ms:.1f} ms")
             finally:
                 n.close()
         print(f"wait-policy probe, LeNet step, {cond} (load {load()}): " + "; ".join(row), flush=True)

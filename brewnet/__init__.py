@@ -14,11 +14,13 @@ __version__ = "0.1.0"
 import os as _os  # noqa: E402
 import sys as _sys  # noqa: E402
 
-# Idle OpenMP threads sleep instead of spinning on cores a neighbour needs (brewnet/execution/threads.py);
-# libgomp reads this once, when torch loads it, so it is set before brewnet imports torch.
+# Idle OpenMP threads spin briefly (GOMP_SPINCOUNT: the gap between two ops of one forward), then
+# sleep instead of spinning on cores a neighbour needs (brewnet/execution/threads.py); libgomp
+# reads both once, when torch loads it, so they are set before brewnet imports torch.
 _spinning = "torch" in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ
 if "torch" not in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 # MKL's matrix products in one order whatever the thread count (brewnet/execution/determinism.py); MKL
 # reads this at its first call, so it still takes effect when torch was imported first.

@@ -26,7 +26,7 @@ ROOT = TESTS.parent
 def user_env() -> dict:
     """os.environ without the switches a user does not set."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("BREWNET_THREADS", "OMP_NUM_THREADS", "MKL_CBWR", "OMP_WAIT_POLICY",
+           if k not in ("BREWNET_THREADS", "OMP_NUM_THREADS", "MKL_CBWR", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
                         "BREWNET_DETERMINISTIC", "BREWNET_TOGETHER_THREADS")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
     return env
