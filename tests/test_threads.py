@@ -117,6 +117,40 @@ def test_measured_choice(monkeypatch, cost, expect):
     assert tuner.choice == expect and torch.get_num_threads() == expect
 
 
+def test_a_restart_times_the_new_path_afresh(monkeypatch):
+    """One thread chosen on calls of one path (the per-layer forwards) is not kept for another
+    (lean inference's graph, after its trace): the tuner starts over and finds two faster."""
+    net = brewnet.Net(parse_net_text(BIG), brewnet.TEST)
+    tuner = threads.Tuner(net)
+    monkeypatch.setattr(tuner, "clock", FakeClock({1: 1.0, 2: 3.0}))
+    for _ in range(threads.WARMUP + 2 * threads.BLOCK + 1):
+        with tuner:
+            pass
+    assert tuner.choice == 1
+    monkeypatch.setattr(tuner, "clock", FakeClock({1: 1.0, 2: 0.6}))
+    with tuner:
+        tuner.restart()
+    for _ in range(threads.WARMUP + 2 * threads.BLOCK + 1):
+        with tuner:
+            pass
+    assert tuner.choice == 2 and torch.get_num_threads() == 2
+
+
+def test_pycaffe_forward_restarts_the_timing_at_the_graphs_trace(monkeypatch):
+    """At the defaults, the call that traces lean inference's graph restarts the tuner's timing
+    (and only that call): the choice made on per-layer calls is not carried over."""
+    from brewnet.execution import lean
+
+    monkeypatch.delenv("BREWNET_LEAN", raising=False)
+    restarts = []
+    real = threads.Tuner.restart
+    monkeypatch.setattr(threads.Tuner, "restart", lambda self: restarts.append(1) or real(self))
+    net = brewnet.Net(parse_net_text(BIG), brewnet.TEST)
+    for _ in range(lean.AFTER + 5):
+        net.forward()
+    assert net._lean.gm is not None and restarts == [1]
+
+
 def test_slowdown_triggers_a_new_choice(monkeypatch):
     net = brewnet.Net(parse_net_text(BIG), brewnet.TEST)
     tuner = threads.Tuner(net)

@@ -7,7 +7,8 @@ A net whose every layer does under ``TINY_FLOPS`` a pass runs on one thread. A t
 its first choice for the run: its bits must not follow the load (``determinism.py``;
 ``BREWNET_THREADS=adaptive`` times training too). A forward-only net times its calls against a few
 on the other count (``BLOCK``, ``TRIAL``, ``ABORT``, ``RECHECK_S``) and keeps the faster. ``import
-brewnet`` before torch sets ``OMP_WAIT_POLICY=PASSIVE``; after torch, training runs on one thread.
+brewnet`` before torch sets ``OMP_WAIT_POLICY=PASSIVE`` after a short spin (``GOMP_SPINCOUNT``);
+after torch, training runs on one thread.
 ``BREWNET_THREADS=N``, ``OMP_NUM_THREADS`` or a user's ``torch.set_num_threads`` win: brewnet never
 changes a count it did not set. Why, and the measurements: docs/internals.md, *Design notes by module*.
 """
@@ -220,6 +221,16 @@ class Tuner:
     def discard(self) -> None:
         """Leave the current call out of the timing (it did one-off work: a trace)."""
         self._t0 = None
+
+    def restart(self) -> None:
+        """Leave the current call out and time afresh from the next: the calls now run another
+        path (lean inference's graph after the per-layer forwards), whose best count need not be
+        the one chosen on the old path (MTCNN P-Net: one thread chosen on the per-layer calls
+        kept its graph at 4.5 ms a call for the next 10 s, 2.8 ms on two)."""
+        self.discard()
+        net = self._net()
+        if net is not None:
+            self.guard.attempt(self._plan, net)
 
     def __exit__(self, *exc):
         if self._t0 is None or exc[0] is not None:

@@ -86,8 +86,10 @@ class Net(core.Net):
                     self._lean.settle()      # a partial pass reads what the graph did not write
                 self._lean.drop()
                 self.forward_tensors(start, end)
-            if (self._lean.traces, self._lean.picks) != one_off or self._lean.engine is not None:
-                tuner.discard()   # a one-off trace, or another engine's threads: no sample
+            if self._lean.traces != one_off[0]:
+                tuner.restart()   # a one-off trace, and the graph's calls timed afresh
+            elif self._lean.picks != one_off[1] or self._lean.engine is not None:
+                tuner.discard()   # another engine's threads: no sample
         if whole:
             self._lean.spent += time.perf_counter() - t0
         i1 = self._index(end, len(self.layer_list) - 1)
