@@ -1,7 +1,7 @@
 """Inference over a corpus of published deploy nets: brewnet against the runtimes its users have.
 
     python benchmarks/zoo.py [--nets a,b] [--batches 1,16] [--reps 9] [--budget 4] [--compiled]
-                             [--json out.json] [--from out.json]
+                             [--alone] [--json out.json] [--from out.json]
 
 The corpus is benchmarks/zoo/corpus.py (each net's provenance: benchmarks/zoo/SOURCES.md, and
 ../shared/caffe-models/SOURCES.txt for the shared ones); the nets that benchmarks/load_all.py
@@ -21,6 +21,8 @@ export --fold`` writes (the one auto's engine cache holds, when auto built it).
 Columns: median ms per call; "vs best peer": brewnet / min(opencv, ort); "engine" the one
 brewnet ended on; "%peak": for nets over 1 GFLOP an image, brewnet's GFLOP/s over this
 machine's fp32 matrix-multiply rate (torch.mm 2048^2, measured in the same run).
+``--alone``: brewnet, OpenCV and ONNX Runtime each timed in a process of its own (``ALONE_ROUNDS``
+processes each, alternating), as a user's process runs one runtime; no "eager" column.
 """
 from __future__ import annotations
 
@@ -48,6 +50,11 @@ PEERS = ("opencv", "ort")
 # caches. So each runtime, each round, runs untimed for SETTLE calls and SETTLE_S seconds at
 # least, then BLOCK timed calls: each is timed in the state a process running it alone is in.
 SETTLE, SETTLE_S, BLOCK = 2, 0.1, 3
+# --alone: each runtime in a process of its own, as a user's process runs one: no other pool's
+# threads, and brewnet's thread tuner (brewnet/execution/threads.py) sees only its own calls (in
+# one process it reacts to the slow calls after the other runtimes': MTCNN P-Net's graph kept one
+# thread, 4.6 ms a call against 3.3 on two). ALONE_ROUNDS processes per runtime, alternating.
+ALONE_ROUNDS = 2
 
 
 def corpus():
@@ -116,7 +123,8 @@ def engine_of(net) -> str:
     return "eager" if lean.gm is not None else "eager-plain"
 
 
-def one(name: str, batch: int, reps: int, budget: float, compiled: bool, folder: Path) -> dict:
+def one(name: str, batch: int, reps: int, budget: float, compiled: bool, folder: Path,
+        only: str | None = None) -> dict:
     # brewnet first, as a user's script should: torch's OpenMP threads then wait passively
     # instead of spinning beside the other runtimes (brewnet/execution/threads.py)
     brewnet = importlib.import_module("brewnet")
@@ -177,6 +185,8 @@ def one(name: str, batch: int, reps: int, budget: float, compiled: bool, folder:
             if label != "eager" and nets[label]._lean.engine is None:
                 row["why"][label] = "engine did not take the net"
                 runners.pop(label)
+    if only:                   # --alone: this process times one runtime (the others built idle)
+        runners = {only: runners[only]} if only in runners else {}
     times = {k: [] for k in runners}
     order = list(runners)
     t_end = time.perf_counter() + budget
@@ -193,7 +203,7 @@ def one(name: str, batch: int, reps: int, budget: float, compiled: bool, folder:
                 times[k].append(1e3 * (time.perf_counter() - t0))
         if r >= 2 and time.perf_counter() > t_end:
             break
-    row["ms"] = {k: statistics.median(v) for k, v in times.items()}
+    row["ms"] = {k: statistics.median(v) for k, v in times.items() if v}
     row["engine"] = engine_of(nets["brewnet"])
     row["threads"] = torch.get_num_threads()
     return row
@@ -244,6 +254,30 @@ def not_running(path: str) -> dict:
     return {r["name"]: r["brewnet"] for r in json.loads(p.read_text())["rows"] if r["brewnet"] != "ok"}
 
 
+def run_one(cmd) -> tuple[str | None, str | None]:
+    """The ROW line of one ``--one`` process, or why there is none."""
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                             env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    except subprocess.TimeoutExpired:
+        return None, "timed out (900 s)"
+    line = next((x for x in res.stdout.splitlines() if x.startswith("ROW ")), None)
+    return line, None if line else (res.stderr.strip().splitlines() or ["no output"])[-1][:200]
+
+
+def merged(rows: list) -> dict:
+    """One row from the processes of one (net, batch): each runtime's median over its processes
+    (``--alone``), the engine and reasons from the brewnet process."""
+    out = dict(rows[0], ms={}, why={})
+    for r in rows:
+        out["why"].update(r["why"])
+        if "brewnet" in r["ms"]:
+            out["engine"] = r["engine"]
+    for k in {k for r in rows for k in r["ms"]}:
+        out["ms"][k] = statistics.median(r["ms"][k] for r in rows if k in r["ms"])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nets", default="", help="names, separated by ',' (default: all)")
@@ -255,12 +289,15 @@ def main() -> None:
     p.add_argument("--load-all", default=str(ROOT / "benchmarks" / "results" / "load_all.json"),
                    help="skip the nets this benchmarks/load_all.py run found not running in brewnet")
     p.add_argument("--from", dest="from_", help="print the table of an earlier --json")
+    p.add_argument("--alone", action="store_true",
+                   help="each runtime timed in a process of its own (as a user's process runs one)")
     p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--only", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
         with tempfile.TemporaryDirectory(prefix="zoo-") as folder:   # caffemodels of up to 0.5 GB
-            row = one(a.one, a.batch, a.reps, a.budget, a.compiled, Path(folder))
+            row = one(a.one, a.batch, a.reps, a.budget, a.compiled, Path(folder), a.only)
         print("ROW " + json.dumps(row), flush=True)
         return
     if a.from_:
@@ -281,15 +318,17 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--one", e["name"], "--batch", str(b), "--reps", str(a.reps),
                    "--budget", str(a.budget)] + (["--compiled"] if a.compiled else [])
             t0 = time.perf_counter()
-            try:
-                res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
-                                     env=dict(os.environ, PYTHONWARNINGS="ignore"))
-                line = next((x for x in res.stdout.splitlines() if x.startswith("ROW ")), None)
-                why = None if line else (res.stderr.strip().splitlines() or ["no output"])[-1][:200]
-            except subprocess.TimeoutExpired:
-                line, why = None, "timed out (900 s)"
+            parts = [[]] if not a.alone else [["--only", k] for k in ("brewnet",) + PEERS] * ALONE_ROUNDS
+            got = []
+            for i, extra in enumerate(parts):
+                if a.alone and i // len(PEERS + ("brewnet",)) % 2:    # every other round reversed
+                    extra = parts[len(parts) - 1 - i]
+                line, why = run_one(cmd + extra)
+                if not line:
+                    break
+                got.append(json.loads(line[4:]))
             if line:
-                rows.append(json.loads(line[4:]))
+                rows.append(merged(got))
                 r = rows[-1]
                 print(f"{e['name']} b{b}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["ms"].items())
                       + f" ms [{r['engine']}] ({time.perf_counter() - t0:.0f} s)", flush=True)
