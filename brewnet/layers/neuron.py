@@ -32,10 +32,10 @@ def relu(x, negative_slope: float = 0.0):
 
 
 # torch's PReLU on NHWC memory vectorises along the channels: with a channel count that is not
-# a multiple of 4 its loops run scalar (MTCNN P-Net's 10 channels, 238x318: 614 us). Such a
-# tensor is taken as rows of W*C values with the slopes tiled along a row: 286 us, the same bits
-# (benchmarks/inference_kernels.py, AVX-512: a gain under 16 channels from ~2^17 elements, 10-20%
-# slower at 2^15-2^16, where it is tens of microseconds).
+# a multiple of 4 its loops run scalar (MTCNN P-Net's 10 channels, 238x318: 497 us). Such a
+# tensor is taken as rows of W*C values with the slopes tiled along a row: 153 us, the same bits
+# (benchmarks/inference_kernels.py, AVX-512: 3-20x from 2^16 elements under 16 channels; at
+# 2^15-2^16 a few microseconds either way).
 PRELU_ROWS_MIN = 1 << 15
 PRELU_ROWS_CHANNELS = 16
 

@@ -114,23 +114,25 @@ class _MaxPool2d(torch.autograd.Function):
             dy, x, kernel, stride, pad, [1, 1], ceil_mode, idx), None, None, None, None
 
 
-# Inference MAX pooling on the CPU in NHWC as a chain of maxima where torch's kernel is slow
-# (benchmarks/inference_kernels.py, AVX-512, brewnet's passive OpenMP threads): where each
-# maximum is under torch's grain (32768 elements: it runs inline) while torch's kernel wakes the
-# pool for little work (1x16x56x56 2x2: 94 us against 18), and 2x2 windows over 16 channels or
-# fewer, where torch's loops along the channels are short (MTCNN P-Net's 10 channels, 238x318:
-# 664 us against 412). Elsewhere torch's kernel.
+# Inference MAX pooling on the CPU in NHWC as a chain of maxima where torch's kernel is slower
+# (benchmarks/inference_kernels.py, AVX-512, at brewnet's OpenMP defaults): torch's kernel runs
+# short loops along the channels, so the chain wins once its maxima are large enough to run on
+# the pool (over torch's grain, 32768 elements; MTCNN P-Net's 10-channel 2x2 on 238x318: 510 us
+# against 121; LeNet's pool1 at batch 64: 281 against 100), but for overlapping windows over 32
+# channels or more on large inputs (a batch of 16 at 57x57, 3x3/2: 0.74-0.93x). Under the grain
+# torch's one kernel call is the cheaper (0.7-1.0x).
 WINDOW_MAX_INLINE = 32768
-WINDOW_MAX_CHANNELS = 16
+WINDOW_MAX_OVERLAP = (32, 1 << 19)       # overlapping windows: channels, input elements
 
 
 def _window_max_ok(x, out_hw, kernel, stride, pad) -> bool:
     if torch.compiler.is_compiling() or x.dim() != 4 or x.device.type != "cpu":
         return False                   # (a traced graph keeps torch's op; its batch stays symbolic)
     n, c, h, w = x.shape
+    overlap = any(k > s for k, s in zip(kernel, stride))
     return (not any(pad) and c > 1 and kernel[0] * kernel[1] > 1   # (1x1: a view, not a new tensor)
-            and (n * c * out_hw[0] * w <= WINDOW_MAX_INLINE
-                 or (tuple(kernel) == tuple(stride) == (2, 2) and c <= WINDOW_MAX_CHANNELS))
+            and n * c * out_hw[0] * w > WINDOW_MAX_INLINE
+            and not (overlap and c >= WINDOW_MAX_OVERLAP[0] and x.numel() > WINDOW_MAX_OVERLAP[1])
             and x.is_contiguous(memory_format=torch.channels_last)
             and all((o - 1) * s + k <= d for o, s, k, d in zip(out_hw, stride, kernel, (h, w))))
 
