@@ -187,6 +187,8 @@ def one(name: str, batch: int, reps: int, budget: float, compiled: bool, folder:
                 runners.pop(label)
     if only:                   # --alone: this process times one runtime (the others built idle)
         runners = {only: runners[only]} if only in runners else {}
+        if not runners:                # (that runtime declined the net: the row says why)
+            return dict(row, engine="-")
     times = {k: [] for k in runners}
     order = list(runners)
     t_end = time.perf_counter() + budget
