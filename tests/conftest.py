@@ -17,6 +17,7 @@ would report a GPU parity it never tested.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -68,9 +69,16 @@ def cuda_missing() -> str | None:
     return None
 
 
+_MADE: list[str] = []      # the engine cache folder this process made (removed at the end)
+
+
 def pytest_configure(config):
-    # the engine cache (brewnet/execution/engine_cache.py): this run's own, never the user's
-    os.environ.setdefault("BREWNET_CACHE_DIR", tempfile.mkdtemp(prefix="brewnet-test-cache-"))
+    # the engine cache (brewnet/execution/engine_cache.py): this run's own, never the user's;
+    # xdist's workers inherit the variable, so the controller alone makes and removes it
+    # (its ONNX files are 1-3 GB a full run: 681 such folders had filled this machine's /tmp)
+    if "BREWNET_CACHE_DIR" not in os.environ:
+        os.environ["BREWNET_CACHE_DIR"] = tempfile.mkdtemp(prefix="brewnet-test-cache-")
+        _MADE.append(os.environ["BREWNET_CACHE_DIR"])
     config.addinivalue_line("markers", "cpu_only(reason): in a device module, a test that "
                             "cannot run on a device (skipped under BREWNET_TEST_DEVICE=cuda)")
     if device_name() != "cuda":
@@ -87,6 +95,11 @@ def pytest_configure(config):
 
     torch.backends.cudnn.benchmark = False      # no timed algorithm choice: the same run twice
     torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def pytest_unconfigure(config):
+    for folder in _MADE:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_report_header(config):
