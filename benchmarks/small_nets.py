@@ -122,9 +122,8 @@ def worker(folder: Path, name: str) -> None:
     sys.path.insert(0, str(ROOT))
     if os.environ.get("SMALL_NETS_TORCH_FIRST"):
         import torch  # noqa: F401  (the torch-first path: a script that imports torch first)
+    import brewnet as caffe  # noqa: I001  (first, as in a user's script: OpenMP's wait policy)
     import torch
-
-    import brewnet as caffe
 
     solver = caffe.get_solver(str(folder / f"{name}_script_solver.prototxt"))
     steps = WORK[name][0]

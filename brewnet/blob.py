@@ -334,12 +334,21 @@ class ParamBlob(Blob):
         raise ValueError("parameter blobs cannot be reshaped")
 
 
+def for_layers(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """An input's or a data layer's top as the layers after it read it: NHWC in a CPU conv net
+    (``channels_last``), where an NCHW batch would keep every convolution after it in NCHW."""
+    return nhwc(t) if channels_last and t.dim() == 4 else t
+
+
 def nhwc(t: torch.Tensor) -> torch.Tensor:
     """``t`` in channels_last memory. One channel gets NHWC strides too: torch keeps the NCHW
     ones there (the same memory), and every layer after it would then compute in NCHW."""
     t = t.contiguous(memory_format=torch.channels_last)
     if t.shape[1] == 1 and t.stride(1) != 1:
-        t = t.as_strided(t.shape, (t.stride(0), 1, t.stride(2), t.stride(3)))
+        # view + permute, not as_strided: a recorded step replays these on other batches'
+        # memory, where as_strided's fixed strides and offset would not fit
+        n, _, h, w = t.shape
+        t = t.reshape(n, h, w, 1).permute(0, 3, 1, 2)
     return t
 
 

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from . import backprop
-from .blob import Blob, look_at_param_views, nhwc
+from .blob import Blob, for_layers, look_at_param_views
 from .data import layers as _data_layers  # noqa: F401  (registers the database readers)
 from .errors import NetError
 from .execution.folding import Folder
@@ -360,7 +360,7 @@ class Net:
                 if grad:
                     self._ran[i] = (bottoms, tops, True)
                 for name, t in zip(self.top_lists[i], tops):
-                    cur[name] = t
+                    cur[name] = t if bottoms else for_layers(t, self._channels_last)
                     self.blobs[name].write(t)
                     w = self._loss_weights.get(name)
                     if w:
@@ -412,7 +412,7 @@ class Net:
         if self.param.force_backward and t.is_floating_point() and not t.requires_grad:
             t = t.detach().requires_grad_(True)
             blob.tensor = t
-        cur[name] = nhwc(t) if self._channels_last and t.dim() == 4 else t
+        cur[name] = for_layers(t, self._channels_last)
         return t
 
     def _leaf(self, name: str, grad: bool) -> torch.Tensor:
@@ -498,19 +498,18 @@ class Net:
         layer = self.layer_list[i]
         grad = (train or self._needs_backward) and torch.is_grad_enabled()
         if layer.type == "Input":
-            self._fed = {}
-            for n in self.top_lists[i]:
-                t = self.blobs[n].tensor
-                if self._channels_last and t.dim() == 4:   # the conversion is the Input's work
-                    self._fed[n] = (t, nhwc(t))
-            return [self.blobs[n].tensor for n in self.top_lists[i]]
-        bottoms = self._bottoms_alone(i, grad)
-        with torch.set_grad_enabled(grad):
-            tops = layer.forward(bottoms)
-        if grad:
-            self._ran[i] = (bottoms, tops, False)
-        for name, t in zip(self.top_lists[i], tops):
-            self.blobs[name].write(t)
+            self._fed, tops = {}, [self.blobs[n].tensor for n in self.top_lists[i]]
+        else:
+            bottoms = self._bottoms_alone(i, grad)
+            with torch.set_grad_enabled(grad):
+                tops = layer.forward(bottoms)
+            if grad:
+                self._ran[i] = (bottoms, tops, False)
+            for name, t in zip(self.top_lists[i], tops):
+                self.blobs[name].write(t)
+        for name, t in zip(self.top_lists[i], tops if not self.bottom_lists[i] else ()):
+            if (v := for_layers(t, self._channels_last)) is not t:   # an input, a data layer's top
+                self._fed[name] = (t, v)     # the conversion is their work, once
         return tops
 
     def _bottoms_alone(self, i: int, grad: bool) -> list[torch.Tensor]:

@@ -148,6 +148,8 @@ def _run(dy, x, w, stride, pad, dilation, groups, kernel: str, k: int):
     for a, c in res[1:]:        # in chunk order, whoever finished first
         gw.add_(a)
         gb.add_(c)
+    if gw.stride() != w.stride():   # the weight's layout, as autograd gives a param's grad
+        gw = torch.empty_strided(w.shape, w.stride(), dtype=gw.dtype).copy_(gw)
     return gw, gb
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blob import nhwc
+from ..blob import for_layers, nhwc
 from ..errors import NetError
 from ..execution import determinism
 from ..execution.threads import TINY_FLOPS
@@ -312,8 +312,8 @@ class FusedNet:
         vals: dict[str, Val] = {}
         for i, layer in enumerate(ref.layer_list):
             if _is_source(layer):
-                reader = self.source.layer_list[i]
-                tops = [Val("shared", t) for t in reader.forward([])]
+                reader, cl = self.source.layer_list[i], self.source._channels_last
+                tops = [Val("shared", for_layers(t, cl)) for t in reader.forward([])]
                 _share_position(reader, [net.layer_list[i] for net in self.nets if net is not self.source])
             else:
                 fn, arg = WIDE[layer.type]
