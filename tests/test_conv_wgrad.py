@@ -4,6 +4,7 @@ recorded step, and a real net trained past the switch against the previous per-i
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -65,11 +66,14 @@ def test_each_kernel_same_bits_on_1_2_4_threads_and_float64_within_tolerance(fam
     assert (gb.double() - rb).abs().max() <= 1e-5 * rb.abs().max()
 
 
-def test_chunks_follow_the_shape_only():
+def test_chunks_follow_the_shape_and_the_machines_cores_not_the_threads(monkeypatch):
     assert wgrad.bounds(13, 4) == [0, 4, 7, 10, 13]
     shape = ((64, 1, 28, 28), (20, 1, 5, 5), (24, 24))
     got = {at_threads(n, lambda: wgrad.chunks(*shape)) for n in (1, 2, 4)}
-    assert got == {wgrad.MAX_CHUNKS}
+    assert got == {min(wgrad.MAX_CHUNKS, os.cpu_count())}
+    for cores, k in ((1, 1), (2, 2), (6, 6), (64, wgrad.MAX_CHUNKS)):
+        monkeypatch.setattr(wgrad, "CORES", cores)
+        assert {at_threads(n, lambda: wgrad.chunks(*shape)) for n in (1, 2, 4)} == {k}
     assert wgrad.chunks((4, 1, 4, 4), (1, 1, 3, 3), (2, 2)) == 1       # tiny: one chunk
 
 

@@ -28,15 +28,20 @@ log = logging.getLogger("brewnet")
 KERNELS = ("onednn", "gemm")
 MAX_CHUNKS = 8          # fixed: the bits follow the chunks, the speed the workers
 MIN_CHUNK_FLOPS = 2e6   # smaller chunks cost more in calls than the parallelism saves
+# the machine's cores, not the affinity or the threads: ranks pinned to cores and every thread
+# count of one machine cut alike; more chunks than cores only add calls (2 cores, LeNet conv1:
+# 8 chunks 1.54 ms, 2 chunks 0.98; benchmarks/conv_wgrad.py)
+CORES = os.cpu_count() or 1
 _lock = threading.Lock()
 _choice: dict[tuple, tuple[str, int]] = {}
 
 
 def chunks(x_shape, w_shape, out_hw) -> int:
-    """How many chunks the batch is cut into: a function of the shape only."""
+    """How many chunks the batch is cut into: a function of the shape and the machine's cores,
+    never of the thread count."""
     n = x_shape[0]
     flops = 2.0 * n * w_shape[0] * w_shape[1] * w_shape[2] * w_shape[3] * out_hw[0] * out_hw[1]
-    return max(1, min(n, MAX_CHUNKS, int(flops // MIN_CHUNK_FLOPS)))
+    return max(1, min(n, MAX_CHUNKS, CORES, int(flops // MIN_CHUNK_FLOPS)))
 
 
 def bounds(n: int, k: int) -> list[int]:
