@@ -213,6 +213,53 @@ def test_yolov3_detection_output_by_hand():
     assert none.tolist() == [[[[0, -1, -1, -1, -1, -1, -1]]]]
 
 
+def _port_nms_rows(boxes, classes, scores, thr):
+    """The port's sort and NMS, loop by loop: every later box's IoU with each kept one."""
+    order = np.argsort(-scores, kind="stable")
+    boxes, classes, scores = boxes[order], classes[order], scores[order]
+    gone = np.zeros(len(boxes), bool)
+    for i in range(len(boxes) - 1):
+        if gone[i]:
+            continue
+        for j in range(i + 1, len(boxes)):
+            a, b = boxes[i], boxes[j]
+            # np.minimum: a NaN edge gives a NaN IoU (never suppresses), as brewnet always did
+            w = (np.minimum(a[0] + a[2] / 2, b[0] + b[2] / 2)
+                 - np.maximum(a[0] - a[2] / 2, b[0] - b[2] / 2))
+            h = (np.minimum(a[1] + a[3] / 2, b[1] + b[3] / 2)
+                 - np.maximum(a[1] - a[3] / 2, b[1] - b[3] / 2))
+            inter = np.float32(0) if w < 0 or h < 0 else w * h
+            with np.errstate(invalid="ignore", divide="ignore"):
+                gone[j] |= inter / (a[2] * a[3] + b[2] * b[3] - inter) >= np.float32(thr)
+    b = boxes[~gone]
+    return np.stack([np.zeros(len(b)), classes[~gone] + 1, scores[~gone], b[:, 0] - b[:, 2] / 2,
+                     b[:, 1] - b[:, 3] / 2, b[:, 0] + b[:, 2] / 2, b[:, 1] + b[:, 3] / 2],
+                    1).astype(np.float32)
+
+
+@pytest.mark.parametrize("thr", [0.0, 0.45, 1.0])
+def test_yolo_nms_keeps_the_ports_boxes_bit_for_bit(thr):
+    """The packed NMS (only boxes still alive, only those overlapping in x above a zero
+    threshold) against the port's loop, on candidates with tied scores, duplicate, empty and
+    NaN boxes: the same rows, the same bits."""
+    from brewnet.layers.yolo import yolo_output
+
+    rng = np.random.default_rng(int(thr * 100))
+    for trial in range(40):
+        m = int(rng.integers(1, 300))
+        boxes = rng.random((m, 4)).astype(np.float32) * np.float32([1, 1, 0.4, 0.4])
+        boxes[rng.integers(0, m, m // 4)] = boxes[rng.integers(0, m, m // 4)]
+        boxes[rng.integers(0, m, 2), 2] = 0
+        if trial % 4 == 0:
+            boxes[rng.integers(0, m, 2), 1] = np.nan
+        scores = np.round(rng.random(m), 2).astype(np.float32)
+        classes = rng.integers(0, 5, m)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            got = yolo_output(boxes, classes, scores, thr).reshape(-1, 7).numpy()
+        want = _port_nms_rows(boxes, classes, scores, thr)
+        np.testing.assert_array_equal(got, want)
+
+
 def test_yolo_detection_output_by_hand():
     # YOLOv2: 2x2 grid, one anchor of 1 x 2 cells, 2 classes. Cell (row 1, column 0): objectness
     # and class-0 logits large (score ~1); the rest: obj 0.5 x softmax 0.5 = 0.25 (< 0.3).
