@@ -119,6 +119,45 @@ def test_roi_pooling_matches_the_fork_loop_and_sends_gradient_to_its_argmax():
     np.testing.assert_allclose(xt.grad.numpy(), want, rtol=0, atol=1e-6)
 
 
+def test_roi_pooling_at_inference_takes_adaptive_pooling_where_its_bins_agree(monkeypatch):
+    """No gradient: a box inside the map whose float32 bins are adaptive pooling's integer ones
+    is pooled by torch's kernel; every box keeps the fork loop's values (many boxes: inside,
+    past the edges, tiny, inverted; ties), and a NaN gives what the gradient path gives."""
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 4, 19, 23)).astype(F32)
+    x[1, 2, 5:9, 5:9] = 0.25
+    corners = rng.uniform(-20, 110, (60, 4)).astype(F32)
+    rois = np.concatenate([rng.integers(0, 2, (60, 1)).astype(F32), corners], 1)
+    rois = np.concatenate([rois, ROIS, [[0, 0, 0, 87, 71], [1, 8, 8, 47, 39]]]).astype(F32)
+    calls = []
+    real = F.adaptive_max_pool2d
+    monkeypatch.setattr(F, "adaptive_max_pool2d", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layer, _ = make_layer('type: "ROIPooling" top: "p" roi_pooling_param { pooled_h: 3 pooled_w: 4 '
+                          'spatial_scale: 0.25 }', [x.shape, rois.shape])
+    with torch.no_grad():
+        (y,) = layer.forward([torch.from_numpy(x), torch.from_numpy(rois)])
+    ref, _ = roi_pool_ref(x, rois, 3, 4, 0.25)
+    np.testing.assert_array_equal(y.numpy(), ref)
+    assert 5 <= len(calls) < len(rois)
+    # 57 cells in 7 bins: float32's ceil(7 * 57/7) is 58, one cell past the box (the fork reads
+    # it; adaptive pooling's bins stop at 57): not taken there
+    wide = np.zeros((1, 1, 2, 60), F32)
+    wide[..., 57] = 100
+    layer7, _ = make_layer('type: "ROIPooling" top: "p" roi_pooling_param { pooled_h: 1 pooled_w: 7 }',
+                           [wide.shape, (1, 5)])
+    with torch.no_grad():
+        (y7,) = layer7.forward([torch.from_numpy(wide), torch.tensor([[0, 0, 0, 56, 1.]])])
+    assert y7[0, 0, 0, -1] == 100 == roi_pool_ref(wide, np.array([[0, 0, 0, 56, 1]], F32), 1, 7, 1)[0][0, 0, 0, -1]
+    x[0, 1, 3, 4] = np.nan      # (the fork's loop skips a NaN; brewnet's maxima keep it, both ways)
+    with torch.no_grad():
+        (y,) = layer.forward([torch.from_numpy(x), torch.from_numpy(rois)])
+    (g,) = layer.forward([torch.from_numpy(x).requires_grad_(True), torch.from_numpy(rois)])
+    np.testing.assert_array_equal(y.numpy(), g.detach().numpy())
+    assert np.isnan(y.numpy()).any()
+
+
 def test_roi_pooling_gradient_check():
     x = torch.randn(1, 2, 6, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     layer, _ = make_layer('type: "ROIPooling" top: "p" roi_pooling_param { pooled_h: 2 pooled_w: 3 '
