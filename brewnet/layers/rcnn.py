@@ -91,6 +91,8 @@ class ROIPooling(Layer):
         r = _rois(self, rois, n)
         flat = x.reshape(n, c, h * w)
         values_only = not (torch.is_grad_enabled() and x.requires_grad)
+        # NHWC: torch's kernel on a box's NCHW slice took 3x as long (an engine's NCHW output)
+        xv = x.contiguous(memory_format=torch.channels_last) if values_only and x.is_cpu else x
         outs = []
         for b, x1, y1, x2, y2 in r:
             sw, sh, ew, eh = (int(v) for v in c_round(np.array([x1, y1, x2, y2], F32) * self.scale))
@@ -101,7 +103,7 @@ class ROIPooling(Layer):
                 # the fork's bins are adaptive pooling's over the box: torch's kernel, the same
                 # maxima (NaN too), without the per-bin gather (Faster R-CNN ZF's 300 boxes:
                 # benchmarks/zoo.py)
-                outs.append(F.adaptive_max_pool2d(x[int(b):int(b) + 1, :, sh:sh + rh, sw:sw + rw],
+                outs.append(F.adaptive_max_pool2d(xv[int(b):int(b) + 1, :, sh:sh + rh, sw:sw + rw],
                                                   (self.ph, self.pw))[0])   # 4-D: NHWC's kernel
                 continue
             outs.append(self._pool(flat[int(b)], hs, he, ws, we, w))
