@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import determinism
+from .recorded_step import as_param_grad
 
 log = logging.getLogger("brewnet")
 KERNELS = ("onednn", "gemm")
@@ -153,9 +154,7 @@ def _run(dy, x, w, stride, pad, dilation, groups, kernel: str, k: int):
     for a, c in res[1:]:        # in chunk order, whoever finished first
         gw.add_(a)
         gb.add_(c)
-    if gw.stride() != w.stride():   # the weight's layout, as autograd gives a param's grad
-        gw = torch.empty_strided(w.shape, w.stride(), dtype=gw.dtype).copy_(gw)
-    return gw, gb
+    return as_param_grad(gw, w), gb   # the weight's layout, as autograd gives a param's grad
 
 
 def _impl(dy, x, w, stride, pad, dilation, groups, kernel, k):

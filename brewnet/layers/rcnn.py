@@ -89,7 +89,7 @@ class ROIPooling(Layer):
         x, rois = bottoms
         n, c, h, w = x.shape
         r = _rois(self, rois, n)
-        flat = x.reshape(n, c, h * w)
+        flat = None      # (an NHWC map's copy in NCHW: made for the first box that needs it)
         values_only = not (torch.is_grad_enabled() and x.requires_grad)
         # NHWC: torch's kernel on a box's NCHW slice took 3x as long (an engine's NCHW output)
         xv = x.contiguous(memory_format=torch.channels_last) if values_only and x.is_cpu else x
@@ -106,6 +106,8 @@ class ROIPooling(Layer):
                 outs.append(F.adaptive_max_pool2d(xv[int(b):int(b) + 1, :, sh:sh + rh, sw:sw + rw],
                                                   (self.ph, self.pw))[0])   # 4-D: NHWC's kernel
                 continue
+            if flat is None:
+                flat = x.reshape(n, c, h * w)
             outs.append(self._pool(flat[int(b)], hs, he, ws, we, w))
         if not outs:
             return [x.new_zeros((0, c, self.ph, self.pw))]
