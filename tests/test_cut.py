@@ -7,10 +7,12 @@ of one blob is declined: the net stays plain."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import brewnet
 from brewnet.execution import cut, engines, lean
@@ -95,9 +97,10 @@ def test_the_cut_runs_the_trunk_in_a_graph_the_priors_once_and_nms_eagerly():
                         brewnet.TEST)) is None        # a graph holds the whole net
 
 
-@pytest.mark.parametrize("engine", ["eager", "onnxruntime", "opencv"])
+@pytest.mark.parametrize("engine", ["eager", "onnxruntime", "onnxruntime-nospin", "opencv"])
 def test_each_engine_gives_the_eager_detections_on_a_cut_net(engine, monkeypatch):
-    pytest.importorskip({"onnxruntime": "onnxruntime", "opencv": "cv2"}.get(engine, "torch"),
+    pytest.importorskip({"onnxruntime": "onnxruntime", "onnxruntime-nospin": "onnxruntime",
+                         "opencv": "cv2"}.get(engine, "torch"),
                         reason=f"engine {engine} is not installed")
     net = tiny(engine)
     rng = np.random.default_rng(0)
@@ -112,6 +115,75 @@ def test_each_engine_gives_the_eager_detections_on_a_cut_net(engine, monkeypatch
     # the intermediate blobs are the eager net's (the plain path re-makes them when read)
     np.testing.assert_array_equal(net.blobs["priors"].data, net.blobs["prior"].data)
     assert net.blobs["conf_out"].data.shape == (2, 16 * 16 * 2 * 3)
+
+
+class _Trunk:
+    """A stand-in engine for a cut net's trunk: its outputs (precomputed: faster than the eager
+    trunk), after which the tail runs ``slow_tail_s`` slower (as after a pool that spins)."""
+
+    def __init__(self, name, net, outs, flag):
+        self.name, self.net, self.outs, self.flag = name, net, outs, flag
+        self.state = engines.weights_state(net)
+
+    def __call__(self, xs):
+        self.flag["slow"] = True
+        return self.outs
+
+
+def test_auto_times_a_cut_nets_candidates_with_its_tail_after_them(tmp_path, monkeypatch):
+    """A trunk engine faster than the eager trunk, after which the eager tail runs 30 ms
+    slower: auto keeps the eager engine (timing the trunks alone picked the other). ONNX
+    Runtime without its pool's spin-wait is among the candidates of a cut net."""
+    monkeypatch.setenv("BREWNET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(engines, "AUTO_AFTER_S", 0.0)
+    monkeypatch.setattr(engines, "MEASURE_S", 0.2)
+    monkeypatch.setattr(engines, "ONE_THREAD_UNDER_S", 0.0)
+    monkeypatch.setattr(engines, "candidates", lambda asked: ["eager", "onnxruntime"])
+    net = tiny()
+    x = {"data": np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)}
+    flag = {"slow": False}
+    detect = net._lean.net.layer_list[-1]
+    plain_forward = detect.forward
+
+    def tail(bottoms):
+        if flag.pop("slow", False):
+            time.sleep(0.03)
+        return plain_forward(bottoms)
+
+    monkeypatch.setattr(detect, "forward", tail)
+    timed = []
+    real = engines.measure
+    monkeypatch.setattr(engines, "measure",
+                        lambda runners, xs, **kw: timed.append(dict(runners)) or real(runners, xs, **kw))
+
+    def fake(name):
+        def build(core, threads, cut=None):
+            with torch.no_grad():
+                outs = core._lean._bound_call([core.blobs[n].tensor.detach() for n in core.inputs])
+            return _Trunk(name, core, outs, flag)
+        return build
+
+    for name in ("onnxruntime", engines.NO_SPIN):
+        monkeypatch.setitem(engines.BUILDERS, name, fake(name))
+    want = eager_outputs(net, [x], monkeypatch)[0]["detection_out"]
+    for _ in range(CALLS):
+        got = net.forward(**x)["detection_out"].copy()
+    (runners,) = timed
+    assert set(runners) == {"eager", "onnxruntime", engines.NO_SPIN}
+    assert net._lean._picked and net._lean.engine is None, "auto kept the engine with the slow tail"
+    # each timed candidate is a whole call: the net's detections, not the trunk's outputs
+    whole = runners["eager"]([net._lean.net.blobs["data"].tensor.detach()])
+    same_detections(whole[0].numpy(), want, "the timed eager candidate")
+    same_detections(got, want, "the call after the pick")
+
+
+def test_onnxruntime_nospin_is_a_session_whose_pool_does_not_spin():
+    pytest.importorskip("onnxruntime", reason="engine onnxruntime is not installed")
+    net = tiny()
+    runner = engines.BUILDERS[engines.NO_SPIN](net._lean.net, 2, cut=cut.plan(net))
+    opts = runner.session.get_session_options()
+    assert runner.name == engines.NO_SPIN
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
 @pytest.mark.parametrize("name", list(REAL))

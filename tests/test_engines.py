@@ -490,7 +490,7 @@ def test_onnxruntime_on_one_thread_asked_for_by_name(cache):
 
 def test_a_bad_engine_name_is_one_line(monkeypatch):
     with pytest.raises(NetError, match=r"^engine='fast': expected one of auto, eager, compiled, onnxruntime, "
-                                       r"opencv, onnxruntime-1thread$"):
+                                       r"opencv, onnxruntime-1thread, onnxruntime-nospin$"):
         Net(str(CIFAR), brewnet.TEST, engine="fast")
     monkeypatch.setenv("BREWNET_ENGINE", "ort")
     with pytest.raises(NetError, match=r"^BREWNET_ENGINE='ort'"):
@@ -517,13 +517,16 @@ def test_brewnet_time_engines_prints_every_engines_time(tmp_path, monkeypatch, c
     assert "--engines='tensorrt': expected one of" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("asked", ["onnxruntime", "onnxruntime-1thread", "auto"])
+@pytest.mark.parametrize("asked", ["onnxruntime", "onnxruntime-1thread", "onnxruntime-nospin", "auto"])
 def test_serves_module_on_an_engine_answers_any_batch_as_the_module(asked):
     from brewnet.deploy import to_torch
 
     gm = to_torch(str(CIFAR))
     fn, chosen, ms = engines.for_module(gm, asked, torch.randn(4, 3, 32, 32), 1)
-    assert chosen in ("eager", "onnxruntime", "onnxruntime-1thread")
+    assert chosen in ("eager", "onnxruntime", "onnxruntime-1thread", "onnxruntime-nospin")
+    if asked == "onnxruntime-nospin":
+        assert fn.session.get_session_options().get_session_config_entry(
+            "session.intra_op.allow_spinning") == "0"
     if asked == "auto":
         assert set(ms) == {"eager", "onnxruntime"} and chosen == min(ms, key=ms.get)
     else:

@@ -25,7 +25,10 @@ from . import engine_cache
 
 log = logging.getLogger("brewnet")
 ONE_THREAD = "onnxruntime-1thread"      # ONNX Runtime on one thread: auto's pick for tiny nets
-ENGINES = ("auto", "eager", "compiled", "onnxruntime", "opencv", ONE_THREAD)
+# ONNX Runtime whose pool sleeps as a run ends: the cores are free at once for what runs next
+# (a cut net's eager tail, auto's candidate there; a user's own code between calls)
+NO_SPIN = "onnxruntime-nospin"
+ENGINES = ("auto", "eager", "compiled", "onnxruntime", "opencv", ONE_THREAD, NO_SPIN)
 PRECISIONS = ("fp32", "bf16")
 MEASURE_S = 2.0       # auto: the timing of the candidates on one input shape stops after this
 ROUNDS = (2, 5)       # auto: rounds over the candidates, at least and at most (alternating)
@@ -106,14 +109,17 @@ def quiet_exporter():
             lg.setLevel(lvl)
 
 
-def session_options(ort, threads: int, fixed: bool = False):
+def session_options(ort, threads: int, fixed: bool = False, spin: bool = True):
     """ONNX Runtime's defaults (one thread per physical core), but ``threads`` where the user
-    fixed a thread count or ``fixed`` asks, and its notes kept out of the log."""
+    fixed a thread count or ``fixed`` asks, no spin-wait of its pool after a run where ``spin``
+    is False, and its notes kept out of the log."""
     from .threads import user_threads
 
     opts = ort.SessionOptions()
     if fixed or user_threads():
         opts.intra_op_num_threads = threads
+    if not spin:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.log_severity_level = 3
     return opts
 
@@ -124,17 +130,19 @@ class OnnxRuntimeEngine:
     name = "onnxruntime"
     fresh = owned = True              # session.run returns new arrays each call
 
-    def __init__(self, net, threads: int, cut=None, one_thread: bool = False):
+    def __init__(self, net, threads: int, cut=None, one_thread: bool = False, spin: bool = True):
         ort = need_onnxruntime()
         if one_thread:
             self.name, threads = ONE_THREAD, 1
+        elif not spin:
+            self.name = NO_SPIN
         self.net, self.state, self.cut = net, weights_state(net), cut
         shapes = [tuple(net.shapes[n]) for n in net.inputs]
         self.outputs = list(cut.outputs if cut is not None else net.outputs)
         path = engine_cache.onnx_path(net, shapes, OPSET, self.outputs if cut is not None else None)
         if not path.exists():
             self._export(path)
-        opts = session_options(ort, threads, fixed=one_thread)
+        opts = session_options(ort, threads, fixed=one_thread, spin=spin)
         try:
             self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         except Exception as e:   # noqa: BLE001 - a damaged cache file: export it again
@@ -273,7 +281,8 @@ def bf16_refusal() -> str | None:
 
 BUILDERS = {"onnxruntime": OnnxRuntimeEngine, "opencv": OpenCVEngine, "compiled": CompiledEngine,
             "bf16": Bf16Engine,
-            ONE_THREAD: lambda net, threads, cut=None: OnnxRuntimeEngine(net, threads, cut, one_thread=True)}
+            ONE_THREAD: lambda net, threads, cut=None: OnnxRuntimeEngine(net, threads, cut, one_thread=True),
+            NO_SPIN: lambda net, threads, cut=None: OnnxRuntimeEngine(net, threads, cut, spin=False)}
 
 
 def candidates(asked: str) -> list[str]:
@@ -413,6 +422,8 @@ def pick(lean, xs):
         if asked == "auto" and hit is None and "onnxruntime" in names and threads > 1:
             if _time(lean._bound_call, xs) < ONE_THREAD_UNDER_S:   # (a second, warm call)
                 names.append(ONE_THREAD)
+        if asked == "auto" and hit is None and "onnxruntime" in names and lean.cut is not None:
+            names.append(NO_SPIN)     # the eager tail runs next: a spinning pool holds its cores
     runners = {"eager": lean._bound_call}
     for name in names:
         if name == "eager":
@@ -429,12 +440,20 @@ def pick(lean, xs):
     if asked != "auto" or hit is not None or len(runners) == 1:
         choice = next(iter(reversed(runners)))
     else:
+        # a cut net's candidates timed with its eager tail after them: the tail runs slower
+        # after some runtimes (Faster R-CNN's fc6/fc7 after ONNX Runtime's spinning pool)
+        timed = runners if lean.cut is None else {k: _with_tail(lean, r) for k, r in runners.items()}
         with torch.no_grad():
-            ms = {k: 1e3 * v for k, v in measure(runners, xs, direct=lean.cut is None).items()}
+            ms = {k: 1e3 * v for k, v in measure(timed, xs, direct=lean.cut is None).items()}
         choice = min(ms, key=ms.get)
         engine_cache.ChoiceCache().put(key, choice, ms)
         log.info("Net '%s': engine %s (measured: %s)", net.name, choice, describe(ms))
     return None if choice == "eager" else runners[choice]
+
+
+def _with_tail(lean, runner):
+    """``runner`` (a cut net's trunk) followed by the net's eager tail: a whole call."""
+    return lambda xs: lean.cut.finish(lean.net, runner(xs), xs, lean._cl)
 
 
 def ready(lean):
@@ -479,7 +498,7 @@ class _ModuleOnnx:
 
     name = "onnxruntime"
 
-    def __init__(self, gm, threads: int, folder, one_thread: bool = False):
+    def __init__(self, gm, threads: int, folder, one_thread: bool = False, spin: bool = True):
         import pathlib
 
         from ..deploy import export_onnx
@@ -489,7 +508,7 @@ class _ModuleOnnx:
         with quiet_exporter():
             export_onnx(gm, path, dynamic_batch=gm.dynamic_batch, opset=OPSET)
         self.session = ort.InferenceSession(str(path), session_options(ort, 1 if one_thread else threads,
-                                                                       fixed=one_thread),
+                                                                       fixed=one_thread, spin=spin),
                                             providers=["CPUExecutionProvider"])
         self.input = self.session.get_inputs()[0].name
         self.single = len(gm.output_names) == 1
@@ -518,8 +537,8 @@ def for_module(gm, asked: str, example: torch.Tensor, threads: int):
         if name in ("eager", "opencv"):
             continue
         try:
-            if name in ("onnxruntime", ONE_THREAD):
-                fn = _ModuleOnnx(gm, threads, folder, one_thread=name == ONE_THREAD)
+            if name in ("onnxruntime", ONE_THREAD, NO_SPIN):
+                fn = _ModuleOnnx(gm, threads, folder, one_thread=name == ONE_THREAD, spin=name != NO_SPIN)
             else:
                 fn = compiled(gm, [example], dynamic=gm.dynamic_batch)
             got = fn(example)

@@ -27,7 +27,7 @@ from .common import (
 
 COMMAND = "time"
 HELP = "benchmark a model: average forward/backward time per layer and in total (Caffe's 'caffe time')"
-TIMED_ENGINES = "eager,onnxruntime,onnxruntime-1thread,opencv,compiled"   # --engines alone
+TIMED_ENGINES = "eager,onnxruntime,onnxruntime-1thread,onnxruntime-nospin,opencv,compiled"   # --engines alone
 log = logging.getLogger("brewnet")
 
 
@@ -87,10 +87,11 @@ def run(args) -> int:
     return 0
 
 
-def time_engines(model, names, iterations: int, weights=None, level: int = 0, stages=()) -> dict:
-    """{engine: median ms per whole forward} of a deploy net on each engine in ``names``
-    (brewnet/execution/engines.py), on one fixed random input, the engines' calls interleaved
-    after each has switched on; an engine that cannot run the net maps to the reason."""
+def time_engines(model, names, iterations: int, weights=None, level: int = 0, stages=()) -> tuple:
+    """({engine: median ms per whole forward}, whether the net is cut) of a deploy net on each
+    engine in ``names`` (brewnet/execution/engines.py), on one fixed random input, the engines'
+    calls interleaved after each has switched on; an engine that cannot run the net maps to the
+    reason. A cut net (execution/cut.py) is timed with its eager tail, as it runs."""
     from ..errors import NetError
     from ..execution.lean import AFTER
     from ..pycaffe import Net
@@ -116,7 +117,7 @@ def time_engines(model, names, iterations: int, weights=None, level: int = 0, st
             nets[name].forward(**feed)
             times[name].append(1e3 * (time.perf_counter() - t0))
     out.update({name: float(np.median(v)) for name, v in times.items()})
-    return out
+    return out, any(net._lean.cut is not None for net in nets.values())
 
 
 def run_engines(args) -> int:
@@ -129,7 +130,7 @@ def run_engines(args) -> int:
             raise CLIError(f"--engines lists engines to time: {TIMED_ENGINES.replace(',', ', ')}")
         if "eager" not in names:
             names.insert(0, "eager")
-        ms = time_engines(args.model, names, args.iterations, args.weights, args.level, stages(args.stage))
+        ms, cut = time_engines(args.model, names, args.iterations, args.weights, args.level, stages(args.stage))
     except USER_ERRORS as e:
         return report(COMMAND, e)
     log.info("%-19s %12s %9s", "engine", "ms/forward", "vs eager")
@@ -138,9 +139,11 @@ def run_engines(args) -> int:
             log.info("%-19s %12s %9s  (%s)", name, "-", "-", v[:200])
         else:
             log.info("%-19s %12.3f %8.2fx", name, v, v / ms["eager"])
-    # auto's candidates: ONNX Runtime on one thread too where the eager net takes under 2 ms
+    # auto's candidates: ONNX Runtime on one thread too where the eager net takes under 2 ms,
+    # without its pool's spin-wait where a cut net's eager tail follows it
     auto = engines.candidates("auto") + ([engines.ONE_THREAD] if isinstance(ms["eager"], float)
                                          and ms["eager"] < 1e3 * engines.ONE_THREAD_UNDER_S else [])
+    auto += [engines.NO_SPIN] if cut and "onnxruntime" in auto else []
     timed = {n: v for n, v in ms.items() if isinstance(v, float) and n in auto}
     log.info("auto picks %s among %s (compiled is asked for by name)", min(timed, key=timed.get),
              ", ".join(timed))
