@@ -234,6 +234,30 @@ def test_detection_output_nms_keep_top_k_and_layout():
     np.testing.assert_allclose(out.numpy(), [[0, 1, .9] + A, [0, 2, .75] + D], rtol=1e-6)
 
 
+def test_keep_top_k_takes_the_best_ties_by_label_then_nms_order():
+    """DetectionOutput's keep_top_k over the boxes NMS kept: the best by score, ties in label
+    order and then NMS's order; each label's boxes best first (a reference sort of tuples)."""
+    layer, _ = make_layer(detout_text("code_type: CORNER nms_param { nms_threshold: 0.45 } keep_top_k: 1", 5),
+                          [(1, 16), (1, 20), (1, 2, 16)])
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        p = int(rng.integers(5, 200))
+        scores = np.round(rng.random((p, 5)), 1 + trial % 2).astype(np.float32)   # many ties
+        kept = {c: rng.permutation(p)[:rng.integers(1, p)] for c in range(1, 5) if rng.random() < 0.8}
+        if not kept:
+            continue
+        layer.keep_top_k = int(rng.integers(1, 120))
+        entries = sorted(((-float(scores[j, c]), c, n, j) for c in sorted(kept)
+                          for n, j in enumerate(kept[c].tolist())), key=lambda e: e[:3])
+        want: dict = {}
+        for _, c, _, j in entries[:layer.keep_top_k]:
+            want.setdefault(c, []).append(j)
+        got = layer._keep_top_k(kept, scores)
+        assert sorted(got) == sorted(want)
+        for c in want:
+            assert got[c].dtype == np.int64 and got[c].tolist() == want[c]
+
+
 def test_detection_output_decodes_and_reports_nothing_found():
     priors = prior_blob([[0.1, 0.1, 0.3, 0.3]])
     loc = torch.tensor([[1.0, -1.0, 5 * math.log(2.0), 0.0]]).repeat(2, 1)

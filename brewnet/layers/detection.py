@@ -276,15 +276,16 @@ class DetectionOutput(Layer):
         return [out.to(device=loc.device, dtype=loc.dtype)[None, None]]
 
     def _keep_top_k(self, kept, scores):
-        # All kept boxes by score; ties keep label-then-NMS order (the fork's std::sort leaves
-        # their order unspecified).
-        entries = [(float(scores[j, label]), label, j) for label in sorted(kept)
-                   for j in kept[label].tolist()]
-        entries.sort(key=lambda e: -e[0])
-        new = {}
-        for _, label, j in entries[:self.keep_top_k]:
-            new.setdefault(label, []).append(j)
-        return {label: np.array(js, dtype=np.int64) for label, js in new.items()}
+        # All kept boxes by score; ties keep label-then-NMS order (a stable sort; the fork's
+        # std::sort leaves their order unspecified). Kept scores are never NaN (> threshold).
+        order = sorted(kept)
+        if not order:
+            return {}
+        labels = np.concatenate([np.full(len(kept[c]), c) for c in order])
+        js = np.concatenate([kept[c] for c in order]).astype(np.int64)
+        best = np.argsort(-scores[js, labels], kind="stable")[:self.keep_top_k]
+        labels, js = labels[best], js[best]
+        return {int(c): js[labels == c] for c in np.unique(labels)}
 
 
 @register("DetectionEvaluate")
