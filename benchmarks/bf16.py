@@ -77,15 +77,15 @@ def speed(nets: dict, x: np.ndarray, reps: int) -> dict:
 
 def main() -> None:
     import brewnet
-    from brewnet.execution import engines
+    from brewnet.execution import runners
     from brewnet.pycaffe import Net
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--images", default=str(OPENCV_DATA))
     p.add_argument("--reps", type=int, default=9)
     a = p.parse_args()
-    if engines.bf16_refusal():
-        sys.exit(engines.bf16_refusal())
+    if runners.bf16_refusal():
+        sys.exit(runners.bf16_refusal())
     imgs224 = photos(Path(a.images), 256, 224, (104, 117, 123))
     imgs32 = photos(Path(a.images), 32, 32, (128, 128, 128))
     digits, labels = mnist()

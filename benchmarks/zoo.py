@@ -133,13 +133,14 @@ def one(name: str, batch: int, reps: int, budget: float, compiled: bool, folder:
     import torch
 
     from brewnet.deploy import export_onnx, to_torch
-    from brewnet.execution import engine_cache, engines
+    from brewnet.execution import engine_cache
+    from brewnet.execution.runners import OPSET
     from brewnet.pycaffe import Net
 
     entry = next(e for e in corpus().NETS if e["name"] == name)
     path, weights, xs, core = prepare(entry, batch, folder)
     flops = net_flops(core) / batch
-    cached_onnx = engine_cache.onnx_path(core, [x.shape for x in xs.values()], engines.OPSET)
+    cached_onnx = engine_cache.onnx_path(core, [x.shape for x in xs.values()], OPSET)
     row = {"name": name, "batch": batch, "category": entry.get("category", ""),
            "gflop": flops / 1e9, "ms": {}, "why": {}}
     runners = {}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import brewnet
-from brewnet.execution import cut, engines, lean
+from brewnet.execution import cut, engines, lean, runners
 from brewnet.execution.fast_path import Declined
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto.io import parse_text
@@ -123,7 +123,7 @@ class _Trunk:
 
     def __init__(self, name, net, outs, flag):
         self.name, self.net, self.outs, self.flag = name, net, outs, flag
-        self.state = engines.weights_state(net)
+        self.state = runners.weights_state(net)
 
     def __call__(self, xs):
         self.flag["slow"] = True

@@ -15,7 +15,7 @@ import torch
 
 import brewnet
 from brewnet.errors import NetError
-from brewnet.execution import engine_cache, engines, lean
+from brewnet.execution import engine_cache, engines, lean, runners
 from brewnet.pycaffe import Net
 from helpers import MODELS, SHARED, need
 
@@ -66,7 +66,7 @@ def test_onnxruntime_engine_gives_the_eager_outputs(path, batch):
     net, eager = twin(path, "onnxruntime", batch=batch)
     xs = inputs(net)
     got, want = outputs(net, xs), outputs(eager, xs)
-    assert isinstance(net._lean.engine, engines.OnnxRuntimeEngine)
+    assert isinstance(net._lean.engine, runners.OnnxRuntimeEngine)
     assert eager._lean.engine is None
     for g, w in zip(got, want):
         assert_close(g, w, engines.RTOL[torch.float32])
@@ -95,7 +95,7 @@ def test_an_engine_sees_weights_changed_after_it_was_built():
     for n in (net, eager):
         n.params["conv1"][0].data[...] *= 0.5          # net surgery, through numpy
     got, want = outputs(net, xs[:3]), outputs(eager, xs[:3])
-    assert net._lean.engine is not built and isinstance(net._lean.engine, engines.OnnxRuntimeEngine)
+    assert net._lean.engine is not built and isinstance(net._lean.engine, runners.OnnxRuntimeEngine)
     for g, w in zip(got, want):
         assert_close(g, w, engines.RTOL[torch.float32])
 
@@ -304,7 +304,7 @@ def test_a_cached_choice_is_taken_at_the_lean_call_at_the_defaults(cache):
     key = engine_cache.choice_key(net, [net.blobs["data"].data.shape], engines.cores(), "fp32")
     cache.put(key, "onnxruntime", {"eager": 2.0, "onnxruntime": 1.0})
     got, want = outputs(net, xs), outputs(eager, xs)
-    assert isinstance(net._lean.engine, engines.OnnxRuntimeEngine)
+    assert isinstance(net._lean.engine, runners.OnnxRuntimeEngine)
     for g, w in zip(got, want):
         assert_close(g, w, engines.RTOL[torch.float32])
 
@@ -389,7 +389,7 @@ def test_a_ready_engine_sees_weights_changed_before_the_first_call(cache, tmp_pa
 def test_a_cached_engine_that_fails_its_check_is_not_ready(cache, tmp_path, monkeypatch, caplog):
     weights = cached_net(cache, tmp_path)
 
-    class Wrong(engines.OnnxRuntimeEngine):
+    class Wrong(runners.OnnxRuntimeEngine):
         def __call__(self, xs):
             return tuple(o + 1 for o in super().__call__(xs))
 
@@ -420,9 +420,9 @@ def test_the_cache_refuses_a_stale_entry(cache):
     cache.path.write_text(json.dumps(data))
     assert cache.get(key) is None
     # the ONNX file is keyed by the weights' values too
-    before = engine_cache.onnx_path(net, [(1, 3, 32, 32)], engines.OPSET)
+    before = engine_cache.onnx_path(net, [(1, 3, 32, 32)], runners.OPSET)
     net.params["conv1"][0].data[0, 0, 0, 0] += 1
-    assert engine_cache.onnx_path(net, [(1, 3, 32, 32)], engines.OPSET) != before
+    assert engine_cache.onnx_path(net, [(1, 3, 32, 32)], runners.OPSET) != before
 
 
 def test_a_corrupt_cache_file_is_named_and_rebuilt(cache, monkeypatch, caplog):
@@ -438,14 +438,14 @@ def test_a_corrupt_cache_file_is_named_and_rebuilt(cache, monkeypatch, caplog):
 
 def test_a_damaged_onnx_file_is_written_again(cache, caplog):
     net, eager = twin(CIFAR, "onnxruntime")
-    path = engine_cache.onnx_path(net, [net.blobs["data"].data.shape], engines.OPSET)
+    path = engine_cache.onnx_path(net, [net.blobs["data"].data.shape], runners.OPSET)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"\x00garbage")
     xs = inputs(net)
     with caplog.at_level(logging.WARNING, logger="brewnet"):
         got, want = outputs(net, xs), outputs(eager, xs)
     assert "does not load" in caplog.text
-    assert isinstance(net._lean.engine, engines.OnnxRuntimeEngine)
+    assert isinstance(net._lean.engine, runners.OnnxRuntimeEngine)
     assert_close(got[-1], want[-1], engines.RTOL[torch.float32])
 
 
@@ -547,14 +547,14 @@ def test_serve_names_a_bad_engine(tmp_path, capsys):
 
 
 def test_bf16_runs_from_the_first_call_and_stays_near_fp32():
-    if engines.bf16_refusal():
-        pytest.skip(engines.bf16_refusal())
+    if runners.bf16_refusal():
+        pytest.skip(runners.bf16_refusal())
     net, eager = twin(CIFAR, None)
     bf = Net(str(CIFAR), brewnet.TEST, precision="bf16")
     bf.share_with(net)
     xs = inputs(net, 3)
     got, want = outputs(bf, xs), outputs(eager, xs)
-    assert isinstance(bf._lean.engine, engines.Bf16Engine) and bf._lean.calls == 3
+    assert isinstance(bf._lean.engine, runners.Bf16Engine) and bf._lean.calls == 3
     for g, w in zip(got, want):
         assert g["prob"].dtype == np.float32
         assert_close(g, w, engines.RTOL[torch.bfloat16])
@@ -574,7 +574,7 @@ def test_opencv_engine_gives_the_eager_outputs(path):
     net, eager = twin(path, "opencv", batch=4)
     xs = inputs(net)
     got, want = outputs(net, xs), outputs(eager, xs)
-    assert isinstance(net._lean.engine, engines.OpenCVEngine)
+    assert isinstance(net._lean.engine, runners.OpenCVEngine)
     for g, w in zip(got, want):
         assert_close(g, w, engines.RTOL[torch.float32])
 

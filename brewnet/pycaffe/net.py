@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import net as core
 from ..blob import ParamBlob
-from ..execution import engines, process, threads
+from ..execution import engines, process, runners, threads
 from ..execution.lean import LeanForward
 from ..net import NetError
 
@@ -42,8 +42,8 @@ class Net(core.Net):
         self.engine = engines.engine_name(engine)
         self.precision = engines.precision_name(precision)
         if self.engine in ("onnxruntime", engines.ONE_THREAD, engines.NO_SPIN):
-            engines.need_onnxruntime()      # asked for by name: missing is the user's error now
-        refusal = engines.bf16_refusal() if self.precision == "bf16" else None
+            runners.need_onnxruntime()      # asked for by name: missing is the user's error now
+        refusal = runners.bf16_refusal() if self.precision == "bf16" else None
         if refusal:
             raise NetError(refusal)
         super().__init__(*args, **kwargs)
