@@ -518,11 +518,17 @@ def test_brewnet_time_engines_prints_every_engines_time(tmp_path, monkeypatch, c
 
 
 @pytest.mark.parametrize("asked", ["onnxruntime", "onnxruntime-1thread", "onnxruntime-nospin", "auto"])
-def test_serves_module_on_an_engine_answers_any_batch_as_the_module(asked):
+def test_serves_module_on_an_engine_answers_any_batch_as_the_module(asked, tmp_path, monkeypatch):
+    """brewnet serve's module on each engine gives the module's outputs at any batch, and leaves
+    no file behind (a server started again and again left its ONNX files in /tmp)."""
+    import tempfile
+
     from brewnet.deploy import to_torch
 
     gm = to_torch(str(CIFAR))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     fn, chosen, ms = engines.for_module(gm, asked, torch.randn(4, 3, 32, 32), 1)
+    assert list(tmp_path.iterdir()) == []
     assert chosen in ("eager", "onnxruntime", "onnxruntime-1thread", "onnxruntime-nospin")
     if asked == "onnxruntime-nospin":
         assert fn.session.get_session_options().get_session_config_entry(

@@ -303,24 +303,26 @@ def for_module(gm, asked: str, example: torch.Tensor, threads: int):
         want = gm(example)
     want_t = want if isinstance(want, tuple) else (want,)
     runners = {"eager": gm}
-    folder = tempfile.mkdtemp(prefix="brewnet-engine-")
-    for name in candidates(asked):
-        if name in ("eager", "opencv"):
-            continue
-        try:
-            if name in ("onnxruntime", ONE_THREAD, NO_SPIN):
-                fn = _ModuleOnnx(gm, threads, folder, one_thread=name == ONE_THREAD, spin=name != NO_SPIN)
-            else:
-                fn = compiled(gm, [example], dynamic=gm.dynamic_batch)
-            got = fn(example)
-            bad = within(got if isinstance(got, tuple) else (got,), want_t)
-            if bad is not None:
-                raise NetError(f"its outputs differ from the eager net's: {bad}")
-            runners[name] = fn
-        except Exception as e:   # noqa: BLE001 - the eager module answers instead
-            why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-            (log.debug if asked == "auto" else log.warning)(
-                "Net '%s': engine %s cannot run it (%s)", gm.net_name, name, why)
+    # the ONNX files only until their sessions are made (a session holds its model): a server
+    # started again and again left one folder each in the temporary directory
+    with tempfile.TemporaryDirectory(prefix="brewnet-engine-") as folder:
+        for name in candidates(asked):
+            if name in ("eager", "opencv"):
+                continue
+            try:
+                if name in ("onnxruntime", ONE_THREAD, NO_SPIN):
+                    fn = _ModuleOnnx(gm, threads, folder, one_thread=name == ONE_THREAD, spin=name != NO_SPIN)
+                else:
+                    fn = compiled(gm, [example], dynamic=gm.dynamic_batch)
+                got = fn(example)
+                bad = within(got if isinstance(got, tuple) else (got,), want_t)
+                if bad is not None:
+                    raise NetError(f"its outputs differ from the eager net's: {bad}")
+                runners[name] = fn
+            except Exception as e:   # noqa: BLE001 - the eager module answers instead
+                why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                (log.debug if asked == "auto" else log.warning)(
+                    "Net '%s': engine %s cannot run it (%s)", gm.net_name, name, why)
     if len(runners) == 1:
         return gm, "eager", {}
     if asked != "auto":
