@@ -23,11 +23,12 @@ from . import engine_cache
 from .runners import (
     NO_SPIN,
     ONE_THREAD,
+    ORT_ENGINES,
     Bf16Engine,
     CompiledEngine,
+    ModuleOnnx,
     OnnxRuntimeEngine,
     OpenCVEngine,
-    _ModuleOnnx,
     compiled,
 )
 
@@ -79,6 +80,15 @@ BUILDERS = {"onnxruntime": OnnxRuntimeEngine, "opencv": OpenCVEngine, "compiled"
             "bf16": Bf16Engine,
             ONE_THREAD: lambda net, threads, cut=None: OnnxRuntimeEngine(net, threads, cut, one_thread=True),
             NO_SPIN: lambda net, threads, cut=None: OnnxRuntimeEngine(net, threads, cut, spin=False)}
+
+
+def ort_variants(names: list[str], short: bool, cut: bool) -> list[str]:
+    """The variants of ONNX Runtime that auto tries too, where ``names`` holds it: on one thread
+    for a ``short`` call (under ONE_THREAD_UNDER_S, on more than one core), and without its
+    pool's spin-wait for a ``cut`` net (the eager tail runs next: a spinning pool holds a core)."""
+    if "onnxruntime" not in names:
+        return []
+    return [ONE_THREAD] * short + [NO_SPIN] * cut
 
 
 def candidates(asked: str) -> list[str]:
@@ -215,11 +225,10 @@ def pick(lean, xs):
         return None
     with torch.no_grad():
         want = lean._bound_call(xs)
-        if asked == "auto" and hit is None and "onnxruntime" in names and threads > 1:
-            if _time(lean._bound_call, xs) < ONE_THREAD_UNDER_S:   # (a second, warm call)
-                names.append(ONE_THREAD)
-        if asked == "auto" and hit is None and "onnxruntime" in names and lean.cut is not None:
-            names.append(NO_SPIN)     # the eager tail runs next: a spinning pool holds its cores
+        if asked == "auto" and hit is None:
+            short = "onnxruntime" in names and threads > 1 and \
+                _time(lean._bound_call, xs) < ONE_THREAD_UNDER_S   # (a second, warm call)
+            names += ort_variants(names, short, lean.cut is not None)
     runners = {"eager": lean._bound_call}
     for name in names:
         if name == "eager":
@@ -310,8 +319,8 @@ def for_module(gm, asked: str, example: torch.Tensor, threads: int):
             if name in ("eager", "opencv"):
                 continue
             try:
-                if name in ("onnxruntime", ONE_THREAD, NO_SPIN):
-                    fn = _ModuleOnnx(gm, threads, folder, one_thread=name == ONE_THREAD, spin=name != NO_SPIN)
+                if name in ORT_ENGINES:
+                    fn = ModuleOnnx(gm, threads, folder, one_thread=name == ONE_THREAD, spin=name != NO_SPIN)
                 else:
                     fn = compiled(gm, [example], dynamic=gm.dynamic_batch)
                 got = fn(example)

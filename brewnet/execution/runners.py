@@ -21,6 +21,7 @@ ONE_THREAD = "onnxruntime-1thread"      # ONNX Runtime on one thread: auto's pic
 # ONNX Runtime whose pool sleeps as a run ends: the cores are free at once for what runs next
 # (a cut net's eager tail, auto's candidate there; a user's own code between calls)
 NO_SPIN = "onnxruntime-nospin"
+ORT_ENGINES = ("onnxruntime", ONE_THREAD, NO_SPIN)      # the engines that need ONNX Runtime
 OPSET = 18
 
 
@@ -231,7 +232,7 @@ def bf16_refusal() -> str | None:
     return None
 
 
-class _ModuleOnnx:
+class ModuleOnnx:
     """``to_torch``'s module (any batch) as ONNX in ONNX Runtime, called as the module is."""
 
     name = "onnxruntime"

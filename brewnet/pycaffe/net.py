@@ -41,7 +41,7 @@ class Net(core.Net):
     def __init__(self, *args, engine: str | None = None, precision: str | None = None, **kwargs):
         self.engine = engines.engine_name(engine)
         self.precision = engines.precision_name(precision)
-        if self.engine in ("onnxruntime", engines.ONE_THREAD, engines.NO_SPIN):
+        if self.engine in runners.ORT_ENGINES:
             runners.need_onnxruntime()      # asked for by name: missing is the user's error now
         refusal = runners.bf16_refusal() if self.precision == "bf16" else None
         if refusal:

@@ -139,11 +139,9 @@ def run_engines(args) -> int:
             log.info("%-19s %12s %9s  (%s)", name, "-", "-", v[:200])
         else:
             log.info("%-19s %12.3f %8.2fx", name, v, v / ms["eager"])
-    # auto's candidates: ONNX Runtime on one thread too where the eager net takes under 2 ms,
-    # without its pool's spin-wait where a cut net's eager tail follows it
-    auto = engines.candidates("auto") + ([engines.ONE_THREAD] if isinstance(ms["eager"], float)
-                                         and ms["eager"] < 1e3 * engines.ONE_THREAD_UNDER_S else [])
-    auto += [engines.NO_SPIN] if cut and "onnxruntime" in auto else []
+    auto = engines.candidates("auto")          # and the ONNX Runtime variants auto tries
+    auto += engines.ort_variants(auto, isinstance(ms["eager"], float)
+                                 and ms["eager"] < 1e3 * engines.ONE_THREAD_UNDER_S, cut)
     timed = {n: v for n, v in ms.items() if isinstance(v, float) and n in auto}
     log.info("auto picks %s among %s (compiled is asked for by name)", min(timed, key=timed.get),
              ", ".join(timed))
