@@ -298,6 +298,23 @@ def test_each_candidate_is_timed_after_the_last_ones_threads_have_settled():
     assert ms["victim"] < ms["spinner"] < 0.004, ms
 
 
+def test_auto_compares_what_a_steady_caller_pays_not_a_lucky_call():
+    """An engine whose calls vary (eager's threads waking op by op) has fast calls now and then:
+    compared on its fastest call it wins where a steady caller pays more. Two fakes: "steady"
+    takes 2 ms every call; "erratic" 0.5 ms on one call in five, else 5 ms (3.0 on average)."""
+    calls = {"n": 0}
+
+    def steady(_):
+        time.sleep(0.002)
+
+    def erratic(_):
+        calls["n"] += 1
+        time.sleep(0.0005 if calls["n"] % 5 == 0 else 0.005)
+
+    ms = engines.measure({"erratic": erratic, "steady": steady}, [torch.zeros(1)], budget_s=0.0)
+    assert ms["steady"] < ms["erratic"], ms
+
+
 def test_a_cached_choice_is_taken_at_the_lean_call_at_the_defaults(cache):
     net, eager = twin(CIFAR, None)
     xs = inputs(net)
