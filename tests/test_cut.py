@@ -123,7 +123,7 @@ class _Trunk:
 
     def __init__(self, name, net, outs, flag):
         self.name, self.net, self.outs, self.flag = name, net, outs, flag
-        self.state = runners.weights_state(net)
+        self.state = runners.WeightsWatch(net)
 
     def __call__(self, xs):
         self.flag["slow"] = True

@@ -100,6 +100,33 @@ def test_an_engine_sees_weights_changed_after_it_was_built():
         assert_close(g, w, engines.RTOL[torch.float32])
 
 
+@pytest.mark.parametrize("change", ["written in place", "replaced", "replaced by an equal one"])
+def test_an_engine_sees_a_weight_tensor_written_or_replaced_through_torch(change):
+    """The core net's parameter tensors, changed with torch (a solver's update, a user's code):
+    the engine is rebuilt at the next call. A tensor replaced by an equal copy with the same
+    version count rebuilds it too (identity is watched; values are not compared)."""
+    net, eager = twin(CIFAR, "onnxruntime")
+    xs = inputs(net)
+    outputs(net, xs)
+    built = net._lean.engine
+    for n in (net, eager):
+        conv = next(layer for layer in n._lean.net.layer_list if layer.name == "conv1")
+        w = conv.blobs[0]
+        with torch.no_grad():
+            if change == "written in place":
+                w.mul_(0.5)
+            else:
+                new = (w * (0.5 if change == "replaced" else 1.0)).detach()
+                while new._version < w._version:        # the same count: only identity tells
+                    new.add_(0.0)
+                conv.blobs[0] = new.requires_grad_(w.requires_grad)
+    got, want = outputs(net, xs[:3]), outputs(eager, xs[:3])
+    assert net._lean.engine is not built and isinstance(net._lean.engine, runners.OnnxRuntimeEngine)
+    assert net._lean.engine.state.holds()
+    for g, w in zip(got, want):
+        assert_close(g, w, engines.RTOL[torch.float32])
+
+
 @pytest.mark.parametrize("engine", ["onnxruntime", "opencv", "eager", "plain"])
 def test_a_kept_parameter_view_written_after_forwards_reaches_the_next_forward(engine, tmp_path,
                                                                               monkeypatch):

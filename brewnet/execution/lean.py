@@ -25,7 +25,7 @@ import torch
 
 from ..blob import host_copy, look_at_param_views, nhwc
 from . import cut as _cut
-from . import engines, runners
+from . import engines
 from .cuda_graph import device_refusal
 from .engines import due, pick, rebuild
 from .fast_path import FAILED, FastPath
@@ -286,7 +286,7 @@ class LeanForward:
                 or any(b._views["data"] and b._viewed("data") for b in self._middle)
                 or (net._needs_backward and self.quiet < AFTER)
                 or any(b._t is not t or b._pending is not None for b, t in zip(ins, tensors))
-                or runners.weights_state(net) != engine.state):
+                or not engine.state.holds()):
             return None
         if inputs:
             if len(inputs) != len(ins):
@@ -332,7 +332,7 @@ class LeanForward:
 
     def _engine_call(self, xs) -> tuple:
         """The outputs from the engine picked (rebuilt when a weight changed), else the graph's."""
-        if self.engine is not None and runners.weights_state(self.net) != self.engine.state:
+        if self.engine is not None and not self.engine.state.holds():
             engine = self.engine
             if self.gm is None:              # an engine ready from the start: the graph checks it
                 self._build()

@@ -1,6 +1,6 @@
 """The runners behind each inference engine: what runs a net's whole forward on ONNX Runtime,
 OpenCV's dnn, ``torch.compile`` or in bfloat16, built from the net's current weights
-(``weights_state`` tells a runner its weights changed). Which one a net runs, and when, is
+(``WeightsWatch`` tells a runner its weights changed). Which one a net runs, and when, is
 engines.py's choice."""
 from __future__ import annotations
 
@@ -36,12 +36,29 @@ def need_onnxruntime():
 _VERSION = operator.attrgetter("_version")
 
 
-def weights_state(net) -> tuple:
-    """Changes when any weight may have changed (torch's version counters, numpy views)."""
-    from .. import blob as _blob
+class WeightsWatch:
+    """The weights a runner was built from: ``holds()`` while no parameter tensor of ``net`` was
+    replaced, written in place (torch's version counters) or through a numpy view (blob.py).
+    Checked at every steady call, so it makes no list of ids or of versions."""
 
-    params = [t for layer in net.layer_list for t in layer.blobs]   # (checked every call: lean)
-    return _blob.param_views(), list(map(id, params)), list(map(_VERSION, params))
+    __slots__ = ("net", "views", "params", "total")
+
+    def __init__(self, net):
+        from ..blob import param_views
+
+        self.net, self.views = net, param_views()
+        self.params = [t for layer in net.layer_list for t in layer.blobs]
+        self.total = sum(map(_VERSION, self.params))
+
+    def holds(self) -> bool:
+        from ..blob import param_views
+
+        now = [t for layer in self.net.layer_list for t in layer.blobs]
+        # the same tensor objects, by identity (== would ask a replaced tensor for its values),
+        # then their versions: each counter only grows, so an equal sum is an equal list
+        return (param_views() == self.views and len(now) == len(self.params)
+                and all(map(operator.is_, now, self.params))
+                and sum(map(_VERSION, now)) == self.total)
 
 
 @contextlib.contextmanager
@@ -89,7 +106,7 @@ class OnnxRuntimeEngine:
             self.name, threads = ONE_THREAD, 1
         elif not spin:
             self.name = NO_SPIN
-        self.net, self.state, self.cut = net, weights_state(net), cut
+        self.net, self.state, self.cut = net, WeightsWatch(net), cut
         shapes = [tuple(net.shapes[n]) for n in net.inputs]
         self.outputs = list(cut.outputs if cut is not None else net.outputs)
         path = engine_cache.onnx_path(net, shapes, OPSET, self.outputs if cut is not None else None)
@@ -143,7 +160,7 @@ class CompiledEngine:
     def __init__(self, net, threads: int, cut=None):
         from ..deploy import to_torch
 
-        self.net, self.state = net, weights_state(net)
+        self.net, self.state = net, WeightsWatch(net)
         gm = to_torch(net, fold=True, dynamic_batch=False, cut=cut).eval()
         t0 = time.perf_counter()
         self.fn = compiled(gm, [torch.randn(net.shapes[n]) for n in net.inputs], dynamic=False)
@@ -169,7 +186,7 @@ class OpenCVEngine:
         import cv2
         from google.protobuf import text_format
 
-        self.net, self.state = net, weights_state(net)
+        self.net, self.state = net, WeightsWatch(net)
         param, keep = net.param, range(len(net.layer_list))
         if cut is not None:          # the trunk's layers only (the caffemodel's others are unread)
             keep = [i for i, layer in enumerate(net.layer_list) if layer.type == "Input" or i in set(cut.trunk)]
@@ -212,7 +229,7 @@ class Bf16Engine:
     def __init__(self, net, threads: int, cut=None):
         from ..deploy import to_torch
 
-        self.net, self.state = net, weights_state(net)
+        self.net, self.state = net, WeightsWatch(net)
         gm = to_torch(net, fold=True, dynamic_batch=False, cut=cut).eval().to(torch.bfloat16)
         self.gm = gm.to(memory_format=torch.channels_last)
 
