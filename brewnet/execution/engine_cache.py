@@ -1,7 +1,8 @@
 """What ``engine="auto"`` measured, kept on disk: the engine chosen per (net structure, weight
 shapes, input shapes, CPU, thread count, library versions), and the ONNX files the ONNX Runtime
 engine runs (keyed by the weights' content too), so a second process starts without measuring or
-exporting, and a choice never depends on a noisy neighbour twice. ``BREWNET_CACHE_DIR`` (else
+exporting (a choice timed once is timed once more, in a later process: engines.CONFIRMS), and a
+choice never depends on one noisy neighbour. ``BREWNET_CACHE_DIR`` (else
 ``$XDG_CACHE_HOME/brewnet``, else ``~/.cache/brewnet``); JSON, written atomically.
 """
 from __future__ import annotations
@@ -96,7 +97,8 @@ def _digest(key: dict) -> str:
 
 
 class ChoiceCache:
-    """``engines.json`` in the cache folder: {digest of the key: {"key", "engine", "ms"}}."""
+    """``engines.json`` in the cache folder: {digest of the key: {"key", "engine", "ms",
+    "measures"}} ("measures": how many measurements ``ms`` averages; 1 where absent)."""
 
     def __init__(self, folder: Path | None = None):
         self.path = (folder or cache_dir()) / "engines.json"
@@ -125,9 +127,9 @@ class ChoiceCache:
             return None
         return entry
 
-    def put(self, key: dict, engine: str, ms: dict) -> None:
+    def put(self, key: dict, engine: str, ms: dict, measures: int = 1) -> None:
         choices = self._read()
-        choices[_digest(key)] = {"key": key, "engine": engine, "ms": ms}
+        choices[_digest(key)] = {"key": key, "engine": engine, "ms": ms, "measures": measures}
         write_atomic(self.path, json.dumps({"format": FORMAT, "choices": choices}, indent=1).encode())
 
 

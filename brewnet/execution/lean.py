@@ -39,7 +39,8 @@ SHAPES = 8      # input shapes whose graph and engine are kept when the shapes c
                 # detector's image pyramid, FCN on a few image sizes: each traced once)
 # what is kept per input shape, and its value before any call on that shape
 _PER_SHAPE = {"calls": 0, "gm": None, "steps": list, "spent": 0.0, "engine": None, "_picked": False,
-              "cached": None, "captured": None, "_addresses": None, "_nhwc_w": dict, "cut": None}
+              "cached": None, "confirm": None, "captured": None, "_addresses": None, "_nhwc_w": dict,
+              "cut": None}
 SMALL_CONV_FLOPS = 4e6     # convolutions below this (whole batch): torch's own im2col + GEMM
 # ... on inputs of at most this many elements in an NHWC graph: it takes NCHW, and the copy costs
 # more than oneDNN's convolution on a large input (MTCNN P-Net's 2-output 1x1 on 32x115x155:
@@ -180,6 +181,7 @@ class LeanForward:
         self.cut = None                            # where a net with no-graph layers is cut
         self._picked = False                       # engine picked for the current graph
         self.cached = None                         # the engine cache's entry for it (auto)
+        self.confirm = None                        # (key, entry) of a cached choice to measure again
         self.spent = 0.0                           # seconds of whole forwards on these shapes
         self.running = False                       # inside run (its reshapes are not the user's)
         self._shapes: dict = {}                    # other input shapes: their _PER_SHAPE state
@@ -233,6 +235,8 @@ class LeanForward:
             self.picks += 1                # a one-off cost too: no sample for the thread timing
             self.engine = self.guard.attempt(pick, self, xs)
             self.engine = None if self.engine is FAILED else self.engine
+        elif self.confirm is not None and self.spent >= engines.AUTO_AFTER_S:
+            self._confirm(xs)
         outs = self.guard.attempt(self._outputs, xs)
         if outs is FAILED:
             self.gm = self.captured = self.engine = None
@@ -248,6 +252,17 @@ class LeanForward:
         self._mark_replayed()
         self._bind_direct()
         return True
+
+    def _confirm(self, xs) -> None:
+        """Measure the cached choice again (``engines.CONFIRMS``) and run on what the mean of
+        the measurements picks; the engine stays as it is if anything fails."""
+        prior, engine, self.confirm = self.confirm, self.engine, None
+        self.picks += 1
+        if self.gm is None and self.guard.attempt(self._build) is FAILED:    # (ready at the start)
+            self.gm, self.engine, self._picked = None, engine, True
+            return
+        got = self.guard.attempt(pick, self, xs, prior)
+        self.engine, self._picked, self.cached = engine if got is FAILED else got, True, None
 
     def _mark_replayed(self) -> None:
         """After a whole forward not run by the layers: every intermediate blob is stale (brought
@@ -277,6 +292,7 @@ class LeanForward:
         (numpy arrays by name, or none: the blobs' values) copied into the input blobs, whose
         memory the engine reads, its new output arrays taken by the output blobs. None where
         anything differs from the forward that bound it: the general path then runs."""
+        t0 = time.perf_counter()
         look_at_param_views()
         bound, net = self._direct, self.net
         if bound is None or self.guard.off is not None or net.hooked():
@@ -308,6 +324,10 @@ class LeanForward:
         self.quiet += 1
         result = {n: b.take(a, owned) for n, b, a in zip(net.outputs, outs, got)}
         self._mark_replayed()
+        if self.confirm is not None:          # its forwards count towards measuring again
+            self.spent += time.perf_counter() - t0
+            if self.spent >= engines.AUTO_AFTER_S:
+                self._direct = None           # the next call takes the general path: _confirm
         return result
 
     def _input_key(self) -> tuple:
@@ -416,7 +436,7 @@ class LeanForward:
         if ready is not None:
             self._switch(self._input_key())
             self.engine, self.cached = ready
-            self._picked = True
+            self._picked, self.confirm = True, engines.unconfirmed(*self.cached)
             self._saved = [net.blobs[n].tensor.detach().clone() for n in net.inputs]
             self._bind_direct()            # the first forward can take the steady call
 
