@@ -107,12 +107,14 @@ def prepare(entry, batch: int, folder: Path):
 
 
 def warm_brewnet(net, xs, cap_s: float = 90.0):
-    """Call until the net has picked its engine (or ``cap_s``): the steady state a user reaches."""
+    """Call until the net has picked its engine and, where the cache's choice is measured again
+    (engines.CONFIRMS), confirmed it (or ``cap_s``): the steady state a user reaches."""
     t_end = time.perf_counter() + cap_s
     while True:
         net.forward(**xs)
         lean = net._lean
-        if (lean._picked or lean.guard.off) and lean.calls > 12 or time.perf_counter() > t_end:
+        if ((lean._picked and lean.confirm is None or lean.guard.off) and lean.calls > 12
+                or time.perf_counter() > t_end):
             return
 
 
