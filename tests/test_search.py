@@ -245,17 +245,21 @@ def test_resume_after_kill_9(solver_file, tmp_path):
         proc.wait()
     before = study_of(out).trials
     done = {t.number: t.value for t in before if t.state.name == "COMPLETE"}
-    killed = {t.number: t.params for t in before if t.state.name == "RUNNING"}
+    killed = {t.number: t.params for t in before if t.state.name == "RUNNING" and "worker" in t.user_attrs}
+    # a trial asked between the watcher's last read and the kill, before its worker named itself:
+    # nothing tells it from another host's trial yet, so fail_dead fails it only after its grace
+    asked = [t.number for t in before if t.state.name == "RUNNING" and "worker" not in t.user_attrs]
     assert len(done) >= 2 and killed
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     after = study_of(out).trials
     assert {t.number: t.value for t in after if t.number in done} == done      # kept, not rerun
+    assert all(after[n].state.name == "RUNNING" for n in asked)
     for n, params in killed.items():
         assert after[n].state.name == "FAIL"                                   # retried once:
         retry = [t for t in after if t.system_attrs.get("failed_trial") == n]
         assert len(retry) == 1 and retry[0].params == params and retry[0].state.name == "COMPLETE"
-    counted = st.counted(after)
-    assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted)
+    counted = st.counted(after)      # (an asked trial counts towards the 4, as a point asked)
+    assert len(counted) == 4 and all(t.state.name == "COMPLETE" for t in counted if t.number not in asked)
 
 
 def two_workers(solver_file, tmp_path, storage):

@@ -252,7 +252,8 @@ def test_workers_stop_when_the_parent_is_killed(tmp_path):
     weights = tmp_path / "lenet.caffemodel"
     Net(str(LENET)).save(str(weights))
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    # TMPDIR: the parent's shared metrics folder, which its SIGKILL leaves behind, in tmp_path
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TMPDIR=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-m", "brewnet.cli", "serve", "--model", str(LENET),
                              "--weights", str(weights), "--port", str(port), "--workers", "2", *GPU],
                             env=env, stderr=subprocess.DEVNULL)
