@@ -1,5 +1,6 @@
 """uvicorn's Server, stopping in two steps on SIGTERM: stop listening, let the connections already
-accepted deliver their requests (until none has come in for ``DRAIN_S``, at most ``MAX_DRAIN_S``),
+accepted deliver their requests (until none has come in for ``DRAIN_S`` and every connection has
+sent its first one, at most ``MAX_DRAIN_S``),
 then uvicorn's own shutdown, which finishes every request it has read and closes the rest.
 
 Several workers (``serve_workers``): uvicorn's own supervisor, whose worker processes are
@@ -37,10 +38,15 @@ class DrainingServer(uvicorn.Server):
         deadline, seen = loop.time() + MAX_DRAIN_S, self.server_state.total_requests
         while loop.time() < deadline:
             await asyncio.sleep(DRAIN_S)
-            if self.server_state.total_requests == seen:
+            if self.server_state.total_requests == seen and not self._unheard():
                 break                     # every accepted connection has said what it wanted
             seen = self.server_state.total_requests
         await super().shutdown(sockets)
+
+    def _unheard(self) -> int:
+        """Connections accepted whose first request has not been read yet: uvicorn's shutdown
+        closes a connection with no request (``cycle`` None), so such a client's request is lost."""
+        return sum(getattr(c, "cycle", False) is None for c in self.server_state.connections)
 
 
 class DrainingProcess(multiprocess.Process):
