@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from ..blob import param_views
 from ..errors import NetError
 from . import engine_cache
 
@@ -44,15 +45,11 @@ class WeightsWatch:
     __slots__ = ("net", "views", "params", "total")
 
     def __init__(self, net):
-        from ..blob import param_views
-
         self.net, self.views = net, param_views()
         self.params = [t for layer in net.layer_list for t in layer.blobs]
         self.total = sum(map(_VERSION, self.params))
 
     def holds(self) -> bool:
-        from ..blob import param_views
-
         now = [t for layer in self.net.layer_list for t in layer.blobs]
         # the same tensor objects, by identity (== would ask a replaced tensor for its values),
         # then their versions: each counter only grows, so an equal sum is an equal list
