@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
 import sys
 import time
 
@@ -429,6 +431,27 @@ def test_a_cached_engine_is_ready_for_the_first_call(cache, tmp_path, engine, mo
         assert_close(g, w, engines.RTOL[torch.float32])
     # an intermediate blob read after it is the plain path's, as with a picked engine
     assert np.array_equal(net.blobs["conv2"].data, eager.blobs["conv2"].data)
+
+
+def test_a_net_cached_on_onnxruntime_does_not_load_opencv(cache, tmp_path):
+    """Listing auto's candidates finds OpenCV without importing it: cv2's import starts its
+    OpenBLAS's server thread, which spins ~0.1 s on a core; in a fresh process it stalled the
+    first calls of a net on ONNX Runtime by a scheduler tick (4 ms against 0.2) at random."""
+    pytest.importorskip("cv2", reason="OpenCV")
+    weights = cached_net(cache, tmp_path)
+    script = (f"import sys, numpy as np, brewnet\n"
+              f"from brewnet.pycaffe import Net\n"
+              f"from brewnet.execution import engines\n"
+              f"assert 'opencv' in engines.candidates('auto')\n"
+              f"net = Net({str(CIFAR)!r}, brewnet.TEST, weights={str(weights)!r})\n"
+              f"assert net._lean.engine.name == 'onnxruntime', net._lean.engine\n"
+              f"for _ in range(3):\n"
+              f"    net.forward(data=np.ones((1, 3, 32, 32), np.float32))\n"
+              f"print('cv2' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, BREWNET_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False"], out.stdout
 
 
 def test_copy_from_readies_the_engine_a_random_net_does_not(cache, tmp_path):

@@ -15,9 +15,11 @@ bound a forward call should pay unasked.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -103,13 +105,22 @@ def candidates(asked: str) -> list[str]:
     if asked != "auto":
         return [asked]
     names = ["eager"]
+    # found, not imported: importing cv2 starts its OpenBLAS's server thread, which spins ~0.1 s
+    # on a core (4 ms stalls in the first calls of a net cached on ONNX Runtime); a package
+    # found that fails to load fails its engine's build, which auto skips
     for name, module in (("onnxruntime", "onnxruntime"), ("opencv", "cv2")):
-        try:
-            __import__(module)
+        if _installed(module):
             names.append(name)
-        except ImportError:
+        else:
             log.debug("engine auto: %s is not installed", module)
     return names
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None    # (None in sys.modules: blocked)
+    except ValueError:                                         # loaded without a spec
+        return sys.modules.get(module) is not None
 
 
 def within(got, want, dtype=torch.float32) -> str | None:
@@ -248,7 +259,8 @@ def pick(lean, xs, prior=None):
                 _time(lean._bound_call, xs) < ONE_THREAD_UNDER_S   # (a second, warm call)
             names += ort_variants(names, short, lean.cut is not None)
     runners = {"eager": lean._bound_call}
-    for name in names:
+    # OpenCV first: its import's spinning thread (above) has stopped before the timing starts
+    for name in sorted(names, key=lambda n: n != "opencv"):
         if name == "eager":
             continue
         try:
