@@ -15,7 +15,7 @@ from brewnet.execution import loop_passes, steps_per_call
 from brewnet.proto import caffe_pb2 as pb
 from brewnet.proto import parse_text
 from brewnet.solvers import SOLVERS, LossNotFiniteError
-from helpers import random_digits_lmdb
+from helpers import MODELS, random_digits_lmdb
 from test_step_graph import conv_net, state
 
 SWITCHES = ("BREWNET_STEP_GRAPH", "BREWNET_STEPS_PER_CALL", "BREWNET_THREADS")
@@ -104,6 +104,21 @@ def test_lenet_like_net_on_lmdb_equals_single_steps_bitwise(monkeypatch, tmp_pat
     single, several = both(monkeypatch, lambda: make(conv_net(src)), [520, 30])
     assert loops_ran(several) and several._steps_runner.batch     # its one-hot made before
     assert "aten::scatter_" not in loop_kinds(several)
+    assert_same(single, several)
+
+
+def test_caffes_lenet_runs_several_per_call_equal_single_steps_bitwise(monkeypatch, tmp_path):
+    """Caffe's own LeNet (the README's main job), at batch 16: its ip1 (400,000 weights) runs
+    oneDNN's inner product and conv2's input gradient convolution_backward, two ops whose
+    arguments torch.jit.trace cannot record (loop_passes.traceable); the loop refused them with
+    a warning in every long run of the main job."""
+    src = random_digits_lmdb(tmp_path / "db", 40, 28, seed=2)
+    text = (MODELS / "bvlc/examples/mnist/lenet_train_test.prototxt").read_text()
+    text = re.sub(r'source: "[^"]*"', f'source: "{src}"', text).replace("batch_size: 64", "batch_size: 16")
+    single, several = both(monkeypatch, lambda: make(text), [520, 30])
+    assert loops_ran(several)
+    kinds = set(loop_kinds(several))
+    assert {"mkldnn::_linear_pointwise", "aten::convolution_backward"} <= kinds, sorted(kinds)
     assert_same(single, several)
 
 

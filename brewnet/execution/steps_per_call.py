@@ -215,15 +215,15 @@ class _Body(torch.nn.Module):
     """One iteration: the recorded step's graph, then the recorded update on its gradients;
     every tensor the graphs read is an input (the traced graph holds none by value)."""
 
-    def __init__(self, graph, update, learnable):
+    def __init__(self, graph, gm, update, learnable):
         super().__init__()
-        self.graph, self.update, self.learnable = graph, update, learnable
+        self.graph, self.gm, self.update, self.learnable = graph, gm, update, learnable
 
     def forward(self, xs, scalars, consts, params, hist):
         g, u = self.graph, self.update
-        for name, t in zip(attrs(g.gm), consts):
-            _set(g.gm, name, t)
-        out = g.gm.forward(*xs)
+        for name, t in zip(attrs(self.gm), consts):
+            _set(self.gm, name, t)
+        out = self.gm.forward(*xs)
         n = 1 + len(g._core_tops)
         made, i = {}, n
         for p, h in zip(g.params, g.has_grad):
@@ -302,8 +302,9 @@ class Runner:
                 self.guard.off = "the update could not be recorded"
                 return False
         xs = [x[0].clone() for x in xs]
-        body = _Body(g, upd, list(s.net.learnable))
-        consts = [getattr(g.gm, n) for n in attrs(g.gm)]
+        gm = loop_passes.traceable(g.gm)           # (its get_attr nodes are g.gm's)
+        body = _Body(g, gm, upd, list(s.net.learnable))
+        consts = [getattr(gm, n) for n in attrs(gm)]
         scalars = torch.zeros(len(upd.lr_mults) + len(upd.names), dtype=torch.float32)
         hist = [h.clone() for h in s.history]
         example = (xs, scalars, [c.detach().clone() for c in consts],
@@ -326,8 +327,8 @@ class Runner:
                 self.batch = batch
         finally:
             s.history = history
-            for name, c in zip(attrs(g.gm), consts):
-                _set(g.gm, name, c)
+            for name, c in zip(attrs(gm), consts):
+                _set(gm, name, c)
         self.loop, self.deferred = loop, body.deferred
         self.key, self.checked = (g.gm, g.key, upd.gm, upd.key), False    # a new loop: checked anew
         return True
