@@ -25,7 +25,7 @@ import torch
 
 from ..blob import diff_viewed
 from ..solvers.lr_policy import policy
-from . import determinism, loop_passes, recorded_update
+from . import determinism, loop_passes, recorded_update, traceable
 from .fast_path import FAILED, FastPath
 from .process import env_switch
 from .recorded_step import as_param_grad
@@ -302,7 +302,7 @@ class Runner:
                 self.guard.off = "the update could not be recorded"
                 return False
         xs = [x[0].clone() for x in xs]
-        gm = loop_passes.traceable(g.gm)           # (its get_attr nodes are g.gm's)
+        gm = traceable.with_scripted_calls(g.gm)         # (its get_attr nodes are g.gm's)
         body = _Body(g, gm, upd, list(s.net.learnable))
         consts = [getattr(gm, n) for n in attrs(gm)]
         scalars = torch.zeros(len(upd.lr_mults) + len(upd.names), dtype=torch.float32)
