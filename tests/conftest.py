@@ -79,14 +79,6 @@ def pytest_configure(config):
     if "BREWNET_CACHE_DIR" not in os.environ:
         os.environ["BREWNET_CACHE_DIR"] = tempfile.mkdtemp(prefix="brewnet-test-cache-")
         _MADE.append(os.environ["BREWNET_CACHE_DIR"])
-    # the run's temporary files in one folder, removed at its end: pycaffe's own suite leaves
-    # NamedTemporaryFile(delete=False) prototxts, torchrun its torchelastic_* log folders (six a
-    # run had gathered in /tmp); pytest's own tmp_path folders stay where they were
-    if "BREWNET_TEST_TMP" not in os.environ:
-        os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
-        os.environ["BREWNET_TEST_TMP"] = tempfile.mkdtemp(prefix="brewnet-test-tmp-")
-        _MADE.append(os.environ["BREWNET_TEST_TMP"])
-    os.environ["TMPDIR"] = tempfile.tempdir = os.environ["BREWNET_TEST_TMP"]
     config.addinivalue_line("markers", "cpu_only(reason): in a device module, a test that "
                             "cannot run on a device (skipped under BREWNET_TEST_DEVICE=cuda)")
     if device_name() != "cuda":
