@@ -199,6 +199,49 @@ def test_sigterm_under_load_loses_no_accepted_request(server):
     assert late_status == [b"HTTP/1.1 200"] * 4, late_status
 
 
+def test_connections_queued_when_the_server_stops_listening_are_served():
+    """Connections the kernel completed but the event loop had not yet accepted when SIGTERM's
+    shutdown closes the listener (a forward can hold the loop) are served, not reset."""
+    import asyncio
+
+    from brewnet.tools.serving.server import DrainingServer, _config
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                kind = (await receive())["type"].split(".")[-1]
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    server = DrainingServer(_config(app, "127.0.0.1", port, False))
+
+    async def main():
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        # no await from here to the close: the loop cannot accept them; the kernel queues them
+        clients = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(5)]
+        for c in clients:
+            c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await server.stop_listening(loop)
+        got = await asyncio.gather(*[loop.run_in_executor(None, c.recv, 12) for c in clients],
+                                   return_exceptions=True)
+        for c in clients:
+            c.close()
+        server.should_exit = True
+        await task
+        return got
+
+    assert asyncio.run(main()) == [b"HTTP/1.1 200"] * 5
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

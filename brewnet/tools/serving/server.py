@@ -1,4 +1,5 @@
-"""uvicorn's Server, stopping in two steps on SIGTERM: stop listening, let the connections already
+"""uvicorn's Server, stopping in two steps on SIGTERM: stop listening (serving the connections the
+listener's queue holds), let the connections already
 accepted deliver their requests (until none has come in for ``DRAIN_S`` and every connection has
 sent its first one, at most ``MAX_DRAIN_S``),
 then uvicorn's own shutdown, which finishes every request it has read and closes the rest.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 
 import uvicorn
@@ -31,10 +33,8 @@ HEALTHCHECK_S = 120
 
 class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets=None):
-        await asyncio.sleep(0)            # accept what the kernel has queued
-        for server in self.servers:
-            server.close()
         loop = asyncio.get_running_loop()
+        await self.stop_listening(loop)
         deadline, seen = loop.time() + MAX_DRAIN_S, self.server_state.total_requests
         while loop.time() < deadline:
             await asyncio.sleep(DRAIN_S)
@@ -43,10 +43,42 @@ class DrainingServer(uvicorn.Server):
             seen = self.server_state.total_requests
         await super().shutdown(sockets)
 
+    async def stop_listening(self, loop) -> None:
+        """Close the listening sockets, serving every connection their queues hold: one still
+        queued when its socket closes is reset (the client's connect had succeeded). Each queue
+        is emptied right before and right after the event loop lets go of the socket, through a
+        second descriptor that keeps it listening until then (the window left: microseconds)."""
+        config = self.config
+
+        def protocol():                   # as uvicorn's Server.startup makes them
+            return config.http_protocol_class(config=config, server_state=self.server_state,
+                                              app_state=self.lifespan.state, _loop=loop)
+
+        spares = [socket.socket(fileno=os.dup(s.fileno())) for server in self.servers
+                  for s in server.sockets or ()]
+        queued = [c for spare in spares for c in _accept_all(spare)]
+        for server in self.servers:
+            server.close()
+        queued += [c for spare in spares for c in _accept_all(spare)]
+        for spare in spares:
+            spare.close()
+        for conn in queued:
+            await loop.connect_accepted_socket(protocol, conn, ssl=config.ssl)
+
     def _unheard(self) -> int:
         """Connections accepted whose first request has not been read yet: uvicorn's shutdown
         closes a connection with no request (``cycle`` None), so such a client's request is lost."""
         return sum(getattr(c, "cycle", False) is None for c in self.server_state.connections)
+
+
+def _accept_all(listener: socket.socket) -> list[socket.socket]:
+    listener.setblocking(False)
+    out = []
+    while True:
+        try:
+            out.append(listener.accept()[0])
+        except (BlockingIOError, InterruptedError):
+            return out
 
 
 class DrainingProcess(multiprocess.Process):
