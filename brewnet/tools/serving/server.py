@@ -1,8 +1,8 @@
 """uvicorn's Server, stopping in two steps on SIGTERM: stop listening (serving the connections the
-listener's queue holds), let the connections already
-accepted deliver their requests (until none has come in for ``DRAIN_S`` and every connection has
-sent its first one, at most ``MAX_DRAIN_S``),
-then uvicorn's own shutdown, which finishes every request it has read and closes the rest.
+listener's queue holds), let the connections already accepted deliver their requests (until none
+has come in for ``DRAIN_S`` and every connection has sent its first one, at most
+``MAX_DRAIN_S``), then uvicorn's own shutdown, which finishes every request it has read and
+closes the rest.
 
 Several workers (``serve_workers``): uvicorn's own supervisor, whose worker processes are
 health-checked and restarted when they die, and get SIGTERM from it when the parent gets SIGTERM
