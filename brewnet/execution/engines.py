@@ -241,9 +241,9 @@ def pick(lean, xs, prior=None):
     threads = cores()          # other runtimes' own thread pools: the process's cores
     names, key, hit = candidates(asked), None, None
     if asked == "auto" and names != ["eager"]:
-        key, hit = prior if prior is not None else lean.cached if lean.cached is not None else (None, None)
+        # measuring again: the prior entry's key, and no hit (its times are averaged below)
+        key, hit = (prior[0], None) if prior is not None else lean.cached or (None, None)
         key = key or engine_cache.choice_key(net, [tuple(x.shape) for x in xs], cores(), "fp32")
-        hit = None if prior is not None else hit
         if hit is not None:
             log.info("Net '%s': engine %s (measured before: %s)", net.name, hit["engine"], describe(hit["ms"]))
             lean.confirm = unconfirmed(key, hit)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 
 import uvicorn
@@ -54,7 +53,7 @@ class DrainingServer(uvicorn.Server):
             return config.http_protocol_class(config=config, server_state=self.server_state,
                                               app_state=self.lifespan.state, _loop=loop)
 
-        spares = [socket.socket(fileno=os.dup(s.fileno())) for server in self.servers
+        spares = [socket.fromfd(s.fileno(), s.family, s.type) for server in self.servers
                   for s in server.sockets or ()]
         queued = [c for spare in spares for c in _accept_all(spare)]
         for server in self.servers:
