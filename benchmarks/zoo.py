@@ -17,11 +17,13 @@ at the user's defaults (engine auto; warmed until it has picked its engine, whic
 cache remembers from an earlier run: run the benchmark twice on a new machine); "eager" (and
 "compiled" with --compiled): the engines by name; "opencv": OpenCV's dnn on
 the prototxt and caffemodel; "ort": ONNX Runtime (its default session) on the file ``brewnet
-export --fold`` writes (the one auto's engine cache holds, when auto built it).
+export --fold`` writes (the one auto's engine cache holds, when auto built it); "openvino":
+OpenVINO's CPU plugin (latency hint, float32) on that file, shown beside the peers: brewnet's
+auto tries it where it is installed, so its column shows what brewnet's call adds around it.
 Columns: median ms per call; "vs best peer": brewnet / min(opencv, ort); "engine" the one
 brewnet ended on; "%peak": for nets over 1 GFLOP an image, brewnet's GFLOP/s over this
 machine's fp32 matrix-multiply rate (torch.mm 2048^2, measured in the same run).
-``--alone``: brewnet, OpenCV and ONNX Runtime each timed in a process of its own (``ALONE_ROUNDS``
+``--alone``: brewnet, OpenCV, ONNX Runtime and OpenVINO each timed in a process of its own (``ALONE_ROUNDS``
 processes each, alternating), as a user's process runs one runtime; no "eager" column.
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 PEERS = ("opencv", "ort")
+OTHERS = ("openvino",)     # runtimes timed beside the peers, not in the ratio (see the docstring)
 # After another runtime ran, a runtime's first calls are slow: two ONNX Runtime sessions in one
 # process (brewnet's engine, the peer) slow each other's next ~40-60 ms of calls (SqueezeNet:
 # 8 ms a call, 3.8 steady; AlexNet-like nets: 30 ms, then 16): the other pool's threads, the
@@ -181,6 +184,17 @@ def one(name: str, batch: int, reps: int, budget: float, compiled: bool, folder:
         runners["ort"]()
     except Exception as e:  # noqa: BLE001 - a row says why a peer could not run the net
         row["why"]["ort"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    try:
+        import openvino as ov
+
+        model = ov.Core().compile_model(str(onnx_file), "CPU", {"PERFORMANCE_HINT": "LATENCY",
+                                                                "INFERENCE_PRECISION_HINT": "f32"})
+        request = model.create_infer_request()
+        ov_feed = {n: xs[n] for port in model.inputs for n in port.get_names() if n in xs}
+        runners["openvino"] = lambda: request.infer(ov_feed)
+        runners["openvino"]()
+    except Exception as e:  # noqa: BLE001 - a row says why it could not run the net
+        row["why"]["openvino"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     for label in ("eager", "compiled"):
         if label in nets:
             for _ in range(lean_after() + 2):
@@ -226,7 +240,7 @@ def ratio(row) -> float | None:
 
 
 def table(rows, peak: float) -> None:
-    cols = ["brewnet", "eager", "compiled", "opencv", "ort"]
+    cols = ["brewnet", "eager", "compiled", "opencv", "ort", "openvino"]
     cols = [c for c in cols if any(c in r["ms"] for r in rows)]
     print(f"\nfp32 matrix-multiply peak (torch.mm 2048^2): {peak:.0f} GFLOP/s")
     head = f"{'net':24} {'b':>3} {'GFLOP':>7} " + " ".join(f"{c:>10}" for c in cols)
@@ -323,10 +337,11 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--one", e["name"], "--batch", str(b), "--reps", str(a.reps),
                    "--budget", str(a.budget)] + (["--compiled"] if a.compiled else [])
             t0 = time.perf_counter()
-            parts = [[]] if not a.alone else [["--only", k] for k in ("brewnet",) + PEERS] * ALONE_ROUNDS
+            alone = ("brewnet",) + PEERS + OTHERS
+            parts = [[]] if not a.alone else [["--only", k] for k in alone] * ALONE_ROUNDS
             got = []
             for i, extra in enumerate(parts):
-                if a.alone and i // len(PEERS + ("brewnet",)) % 2:    # every other round reversed
+                if a.alone and i // len(alone) % 2:    # every other round reversed
                     extra = parts[len(parts) - 1 - i]
                 line, why = run_one(cmd + extra)
                 if not line:

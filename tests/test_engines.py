@@ -28,6 +28,14 @@ CALLS = lean.AFTER + 5
 onnxruntime = pytest.importorskip("onnxruntime", reason="the onnx extra (pip install 'brewnet[onnx]')")
 
 
+def need_engine(engine: str) -> None:
+    """Skip where the runtime behind ``engine`` is not installed (one clear reason)."""
+    if engine == "opencv":
+        pytest.importorskip("cv2", reason="OpenCV")
+    elif engine == "openvino":
+        pytest.importorskip("openvino", reason="the openvino extra (pip install 'brewnet[openvino]')")
+
+
 def inputs(net, n: int = CALLS, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     shape = net.blobs[net.inputs[0]].data.shape
@@ -129,7 +137,7 @@ def test_an_engine_sees_a_weight_tensor_written_or_replaced_through_torch(change
         assert_close(g, w, engines.RTOL[torch.float32])
 
 
-@pytest.mark.parametrize("engine", ["onnxruntime", "opencv", "eager", "plain"])
+@pytest.mark.parametrize("engine", ["onnxruntime", "openvino", "opencv", "eager", "plain"])
 def test_a_kept_parameter_view_written_after_forwards_reaches_the_next_forward(engine, tmp_path,
                                                                               monkeypatch):
     """pycaffe's parameter arrays are the weights' memory: ``W = net.params[..][0].data`` kept
@@ -137,7 +145,7 @@ def test_a_kept_parameter_view_written_after_forwards_reaches_the_next_forward(e
     forward computes with (numpy's writes move no torch version counter)."""
     from test_lean import DEPLOY
 
-    pytest.importorskip("cv2", reason="OpenCV") if engine == "opencv" else None
+    need_engine(engine)
     if engine == "plain":
         monkeypatch.setenv("BREWNET_LEAN", "0")
     path = tmp_path / "deploy.prototxt"
@@ -146,7 +154,7 @@ def test_a_kept_parameter_view_written_after_forwards_reaches_the_next_forward(e
     kept = [net.params[k][i].data for k, i in (("conv1", 0), ("bn1", 0), ("sc1", 1), ("ip1", 0))]
     xs = inputs(net)
     outputs(net, xs)
-    assert (net._lean.engine is not None) == (engine in ("onnxruntime", "opencv"))
+    assert (net._lean.engine is not None) == (engine in ("onnxruntime", "openvino", "opencv"))
     for step in range(2):
         for w in kept:
             w *= 0.5
@@ -223,12 +231,12 @@ def test_intermediate_blobs_under_another_engine_are_the_eager_nets():
     assert np.array_equal(net.blobs["conv2"].data, eager.blobs["conv2"].data)
 
 
-@pytest.mark.parametrize("engine", ["onnxruntime", "opencv"])
+@pytest.mark.parametrize("engine", ["onnxruntime", "openvino", "opencv"])
 def test_an_output_view_under_an_engine_is_rewritten_by_the_next_forward(engine):
     """pycaffe's arrays are views of the blobs: a view kept from one forward shows the next
     one's values, a view dropped costs nothing (ONNX Runtime's fresh outputs are taken, not
     copied), and a copy the user made stays what it was."""
-    pytest.importorskip("cv2", reason="OpenCV") if engine == "opencv" else None
+    need_engine(engine)
     net, eager = twin(LENET, engine)
     xs = inputs(net)
     outputs(net, xs[:-2])
@@ -277,7 +285,8 @@ def test_auto_measures_twice_then_takes_the_cached_choice(cache, monkeypatch, ca
     entries = json.loads(cache.path.read_text())["choices"]
     (entry,) = entries.values()
     # (ONNX Runtime on one thread is tried too when the eager call was under ONE_THREAD_UNDER_S)
-    assert set(entry["ms"]) - {engines.ONE_THREAD} == {"eager", "onnxruntime", "opencv"}
+    assert set(entry["ms"]) - {engines.ONE_THREAD} == set(engines.candidates("auto"))
+    assert {"eager", "onnxruntime", "opencv"} <= set(entry["ms"])
     assert entry["engine"] in entry["ms"]
     with caplog.at_level(logging.INFO, logger="brewnet"):
         again = Net(str(CIFAR), brewnet.TEST)      # (an engine is made ready here when it was)
@@ -312,7 +321,7 @@ def test_a_second_measurement_can_overturn_a_cached_choice(cache, tmp_path, monk
         monkeypatch.setattr(engines, "ready", lambda lean: None)
     net, eager = twin(CIFAR, None, weights)
     assert isinstance(net._lean.engine, runners.OnnxRuntimeEngine) is ready
-    again = {"eager": 5e-4, "onnxruntime": 5e-3, "opencv": 5e-3, engines.ONE_THREAD: 5e-3}
+    again = {"eager": 5e-4, "onnxruntime": 5e-3, "openvino": 5e-3, "opencv": 5e-3, engines.ONE_THREAD: 5e-3}
     monkeypatch.setattr(engines, "measure", lambda runners, xs, **kw: {k: again[k] for k in runners})
     xs = inputs(net)
     got, want = outputs(net, xs), outputs(eager, xs)
@@ -405,12 +414,11 @@ def cached_net(cache, tmp_path, engine="onnxruntime", batch=None):
     return weights
 
 
-@pytest.mark.parametrize("engine", ["onnxruntime", "opencv", "onnxruntime-1thread"])
+@pytest.mark.parametrize("engine", ["onnxruntime", "opencv", "onnxruntime-1thread", "openvino"])
 def test_a_cached_engine_is_ready_for_the_first_call(cache, tmp_path, engine, monkeypatch):
     """Built at construction, and the first forward already takes the steady call's short path
     (``LeanForward.direct``), with either way of feeding it."""
-    if engine == "opencv":
-        pytest.importorskip("cv2", reason="OpenCV")
+    need_engine(engine)
     weights = cached_net(cache, tmp_path, engine)
     net = Net(str(CIFAR), brewnet.TEST, weights=str(weights))
     eager = Net(str(CIFAR), brewnet.TEST, weights=str(weights), engine="eager")
@@ -561,6 +569,7 @@ def test_an_engine_that_cannot_take_the_net_is_skipped_quietly_by_auto(cache, mo
     monkeypatch.setattr(engines, "AUTO_AFTER_S", 0.0)
     monkeypatch.setitem(engines.BUILDERS, "onnxruntime", refuse)
     monkeypatch.setitem(engines.BUILDERS, "opencv", refuse)
+    monkeypatch.setitem(engines.BUILDERS, "openvino", refuse)
     monkeypatch.setitem(engines.BUILDERS, engines.ONE_THREAD, refuse)
     net, eager = twin(CIFAR, None)
     xs = inputs(net)
@@ -595,7 +604,7 @@ def test_onnxruntime_on_one_thread_asked_for_by_name(cache):
 
 def test_a_bad_engine_name_is_one_line(monkeypatch):
     with pytest.raises(NetError, match=r"^engine='fast': expected one of auto, eager, compiled, onnxruntime, "
-                                       r"opencv, onnxruntime-1thread, onnxruntime-nospin$"):
+                                       r"openvino, opencv, onnxruntime-1thread, onnxruntime-nospin$"):
         Net(str(CIFAR), brewnet.TEST, engine="fast")
     monkeypatch.setenv("BREWNET_ENGINE", "ort")
     with pytest.raises(NetError, match=r"^BREWNET_ENGINE='ort'"):
@@ -622,7 +631,8 @@ def test_brewnet_time_engines_prints_every_engines_time(tmp_path, monkeypatch, c
     assert "--engines='tensorrt': expected one of" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("asked", ["onnxruntime", "onnxruntime-1thread", "onnxruntime-nospin", "auto"])
+@pytest.mark.parametrize("asked", ["onnxruntime", "onnxruntime-1thread", "onnxruntime-nospin", "openvino",
+                                   "auto"])
 def test_serves_module_on_an_engine_answers_any_batch_as_the_module(asked, tmp_path, monkeypatch):
     """brewnet serve's module on each engine gives the module's outputs at any batch, and leaves
     no file behind (a server started again and again left its ONNX files in /tmp)."""
@@ -632,14 +642,16 @@ def test_serves_module_on_an_engine_answers_any_batch_as_the_module(asked, tmp_p
 
     gm = to_torch(str(CIFAR))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    if asked == "openvino":
+        pytest.importorskip("openvino", reason="the openvino extra (pip install 'brewnet[openvino]')")
     fn, chosen, ms = engines.for_module(gm, asked, torch.randn(4, 3, 32, 32), 1)
     assert list(tmp_path.iterdir()) == []
-    assert chosen in ("eager", "onnxruntime", "onnxruntime-1thread", "onnxruntime-nospin")
+    assert chosen in ("eager", "onnxruntime", "onnxruntime-1thread", "onnxruntime-nospin", "openvino")
     if asked == "onnxruntime-nospin":
         assert fn.session.get_session_options().get_session_config_entry(
             "session.intra_op.allow_spinning") == "0"
     if asked == "auto":
-        assert set(ms) == {"eager", "onnxruntime"} and chosen == min(ms, key=ms.get)
+        assert set(ms) == set(engines.candidates("auto")) - {"opencv"} and chosen == min(ms, key=ms.get)
     else:
         assert chosen == asked and fn is not gm
     for n in (1, 7):
@@ -654,7 +666,8 @@ def test_serve_names_a_bad_engine(tmp_path, capsys):
     weights = tmp_path / "w.caffemodel"
     Net(str(CIFAR), brewnet.TEST).save(str(weights))
     assert main(["serve", "--model", str(CIFAR), "--weights", str(weights), "--engine", "fastest"]) != 0
-    assert "--engine='fastest': expected one of auto, eager, compiled, onnxruntime, opencv" in capsys.readouterr().err
+    assert "--engine='fastest': expected one of auto, eager, compiled, onnxruntime, openvino, opencv" in \
+        capsys.readouterr().err
 
 
 def test_bf16_runs_from_the_first_call_and_stays_near_fp32():

@@ -133,5 +133,5 @@ def test_a_bad_engine_is_one_line(model, tmp_path, capsys):
     assert main(["extract", "--model", str(net_file), "--weights", str(weights), "--blobs", "ip",
                  "--out", str(tmp_path / "f.npy"), "--engine", "fastest"]) != 0
     err = capsys.readouterr().err
-    assert "--engine='fastest': expected one of auto, eager, compiled, onnxruntime, opencv" in err
+    assert "--engine='fastest': expected one of auto, eager, compiled, onnxruntime, openvino, opencv" in err
     assert "Traceback" not in err and not (tmp_path / "f_ip.npy").exists()

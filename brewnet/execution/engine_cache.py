@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -21,8 +22,8 @@ import torch
 
 log = logging.getLogger("brewnet")
 FORMAT = 1          # the choices file's layout; another value is refused (and rewritten)
-CANDIDATES = 3      # the set auto weighs, and how: a choice made otherwise is measured again
-                    # (2: ONNX Runtime on one thread for short calls)
+CANDIDATES = 4      # the set auto weighs, and how: a choice made otherwise is measured again
+                    # (2: ONNX Runtime on one thread for short calls; 4: OpenVINO)
 
 
 def cache_dir() -> Path:
@@ -49,6 +50,11 @@ def cpu_model() -> str:
 
 
 def versions() -> dict:
+    return dict(_versions())
+
+
+@functools.cache
+def _versions() -> dict:
     from .. import __version__
 
     out = {"brewnet": __version__, "torch": torch.__version__}
@@ -57,6 +63,10 @@ def versions() -> dict:
 
         out["onnxruntime"] = onnxruntime.__version__
     except ImportError:
+        pass
+    try:                              # (its metadata: importing it starts its thread pool)
+        out["openvino"] = importlib.metadata.version("openvino")
+    except importlib.metadata.PackageNotFoundError:
         pass
     return out
 

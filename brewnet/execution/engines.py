@@ -33,13 +33,15 @@ from .runners import (
     Bf16Engine,
     CompiledEngine,
     ModuleOnnx,
+    ModuleOpenVino,
     OnnxRuntimeEngine,
     OpenCVEngine,
+    OpenVinoEngine,
     compiled,
 )
 
 log = logging.getLogger("brewnet")
-ENGINES = ("auto", "eager", "compiled", "onnxruntime", "opencv", ONE_THREAD, NO_SPIN)
+ENGINES = ("auto", "eager", "compiled", "onnxruntime", "openvino", "opencv", ONE_THREAD, NO_SPIN)
 PRECISIONS = ("fp32", "bf16")
 MEASURE_S = 2.0       # auto: the timing of the candidates on one input shape stops after this
 ROUNDS = (2, 5)       # auto: rounds over the candidates, at least and at most (alternating)
@@ -86,8 +88,8 @@ def precision_name(value: str | None, where: str = "precision") -> str:
     return _named(value, where, "BREWNET_PRECISION", PRECISIONS)
 
 
-BUILDERS = {"onnxruntime": OnnxRuntimeEngine, "opencv": OpenCVEngine, "compiled": CompiledEngine,
-            "bf16": Bf16Engine,
+BUILDERS = {"onnxruntime": OnnxRuntimeEngine, "openvino": OpenVinoEngine, "opencv": OpenCVEngine,
+            "compiled": CompiledEngine, "bf16": Bf16Engine,
             ONE_THREAD: lambda net, threads, cut=None: OnnxRuntimeEngine(net, threads, cut, one_thread=True),
             NO_SPIN: lambda net, threads, cut=None: OnnxRuntimeEngine(net, threads, cut, spin=False)}
 
@@ -108,7 +110,7 @@ def candidates(asked: str) -> list[str]:
     # found, not imported: importing cv2 starts its OpenBLAS's server thread, which spins ~0.1 s
     # on a core (4 ms stalls in the first calls of a net cached on ONNX Runtime); a package
     # found that fails to load fails its engine's build, which auto skips
-    for name, module in (("onnxruntime", "onnxruntime"), ("opencv", "cv2")):
+    for name, module in (("onnxruntime", "onnxruntime"), ("openvino", "openvino"), ("opencv", "cv2")):
         if _installed(module):
             names.append(name)
         else:
@@ -342,7 +344,7 @@ def for_module(gm, asked: str, example: torch.Tensor, threads: int):
         return gm, "eager", {}
     if asked == "opencv":
         raise NetError("engine opencv reads a prototxt: this path runs to_torch's module (auto, "
-                       "eager, compiled or onnxruntime)")
+                       "eager, compiled, onnxruntime or openvino)")
     with torch.no_grad():
         want = gm(example)
     want_t = want if isinstance(want, tuple) else (want,)
@@ -356,6 +358,8 @@ def for_module(gm, asked: str, example: torch.Tensor, threads: int):
             try:
                 if name in ORT_ENGINES:
                     fn = ModuleOnnx(gm, threads, folder, one_thread=name == ONE_THREAD, spin=name != NO_SPIN)
+                elif name == "openvino":
+                    fn = ModuleOpenVino(gm, threads, folder)
                 else:
                     fn = compiled(gm, [example], dynamic=gm.dynamic_batch)
                 got = fn(example)

@@ -5,6 +5,7 @@ engines.py's choice."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import operator
 import os
@@ -91,6 +92,35 @@ def session_options(ort, threads: int, fixed: bool = False, spin: bool = True):
     return opts
 
 
+def from_onnx_file(net, cut, load):
+    """``load(path)`` of the net's folded graph (its trunk: ``cut``) as ONNX, the file cached
+    per weights (engine_cache.onnx_path), exported first where absent; a cached file that does
+    not load (damaged) is exported again."""
+    shapes = [tuple(net.shapes[n]) for n in net.inputs]
+    path = engine_cache.onnx_path(net, shapes, OPSET, list(cut.outputs) if cut is not None else None)
+    if not path.exists():
+        _export(net, cut, path)
+    try:
+        return load(path)
+    except Exception as e:   # noqa: BLE001 - a damaged cache file: export it again
+        log.warning("engine cache: %s does not load (%s): written again", path, str(e)[:200])
+        _export(net, cut, path)
+        return load(path)
+
+
+def _export(net, cut, path) -> None:
+    from ..deploy import export_onnx, to_torch
+
+    t0 = time.perf_counter()
+    gm = to_torch(net, fold=True, dynamic_batch=False, cut=cut)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with quiet_exporter():
+        export_onnx(gm, tmp, dynamic_batch=False, opset=OPSET)
+    os.replace(tmp, path)
+    log.debug("Net '%s': ONNX written in %.1f s", net.name, time.perf_counter() - t0)
+
+
 class OnnxRuntimeEngine:
     """The net's folded graph as ONNX in an ONNX Runtime session (the file cached per weights)."""
 
@@ -104,31 +134,11 @@ class OnnxRuntimeEngine:
         elif not spin:
             self.name = NO_SPIN
         self.net, self.state, self.cut = net, WeightsWatch(net), cut
-        shapes = [tuple(net.shapes[n]) for n in net.inputs]
         self.outputs = list(cut.outputs if cut is not None else net.outputs)
-        path = engine_cache.onnx_path(net, shapes, OPSET, self.outputs if cut is not None else None)
-        if not path.exists():
-            self._export(path)
         opts = session_options(ort, threads, fixed=one_thread, spin=spin)
-        try:
-            self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        except Exception as e:   # noqa: BLE001 - a damaged cache file: export it again
-            log.warning("engine cache: %s does not load (%s): written again", path, str(e)[:200])
-            self._export(path)
-            self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        self.session = from_onnx_file(net, cut, lambda path: ort.InferenceSession(
+            str(path), opts, providers=["CPUExecutionProvider"]))
         self.inputs = [i.name for i in self.session.get_inputs()]
-
-    def _export(self, path) -> None:
-        from ..deploy import export_onnx, to_torch
-
-        t0 = time.perf_counter()
-        gm = to_torch(self.net, fold=True, dynamic_batch=False, cut=self.cut)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with quiet_exporter():
-            export_onnx(gm, tmp, dynamic_batch=False, opset=OPSET)
-        os.replace(tmp, path)
-        log.debug("Net '%s': ONNX written for ONNX Runtime in %.1f s", self.net.name, time.perf_counter() - t0)
 
     def __call__(self, xs):
         return tuple(map(torch.from_numpy, self.arrays([x.detach().contiguous().numpy() for x in xs])))
@@ -136,6 +146,75 @@ class OnnxRuntimeEngine:
     def arrays(self, xs: list) -> list:
         """The outputs on C-contiguous float arrays ``xs``, as new arrays."""
         return self.session.run(self.outputs, dict(zip(self.inputs, xs)))
+
+
+def need_openvino():
+    try:
+        import openvino
+    except ImportError:
+        raise NetError("engine 'openvino' needs OpenVINO: pip install 'brewnet[openvino]'") from None
+    return openvino
+
+
+@functools.cache
+def _ov_core():
+    return need_openvino().Core()
+
+
+def ov_config(threads: int, fixed: bool = False) -> dict:
+    """OpenVINO's CPU plugin set for one caller's latency, in float32 always (on a CPU with AMX
+    or AVX512-BF16 it would otherwise run in bfloat16: not Caffe's numbers), on ``threads``
+    where the user fixed a thread count or ``fixed`` asks, else its default (the cores)."""
+    from .threads import user_threads
+
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"}
+    if fixed or user_threads():
+        config["INFERENCE_NUM_THREADS"] = threads
+    return config
+
+
+class OpenVinoEngine:
+    """The net's folded graph (the ONNX file ONNX Runtime runs) compiled by OpenVINO's CPU
+    plugin. One infer request, its inputs bound to the caller's arrays (shared memory, bound
+    again only when other arrays come): the call costs a few microseconds around the run, where
+    ``request.infer(dict)`` costs ~40."""
+
+    name = "openvino"
+    fresh = True                      # __call__'s outputs (arrays' are not: owned False)
+    owned = False
+
+    def __init__(self, net, threads: int, cut=None):
+        ov = need_openvino()
+        self.net, self.state, self.cut, self._tensor = net, WeightsWatch(net), cut, ov.Tensor
+        config = ov_config(threads)
+        model = from_onnx_file(net, cut, lambda path: _ov_core().compile_model(str(path), "CPU", config))
+        self.request = model.create_infer_request()
+        self.inputs = _ports(model.inputs, net.inputs)
+        self.outputs = _ports(model.outputs, cut.outputs if cut is not None else net.outputs)
+        self._bound: list = []
+
+    def __call__(self, xs):
+        return tuple(torch.from_numpy(a.copy()) for a in self.arrays([x.detach().contiguous().numpy() for x in xs]))
+
+    def arrays(self, xs: list) -> list:
+        """The outputs on C-contiguous float arrays ``xs``: OpenVINO's own output buffers
+        (``owned`` False: a blob copies them), rewritten by the next run."""
+        request = self.request
+        if len(xs) != len(self._bound) or not all(map(operator.is_, xs, self._bound)):
+            for i, x in zip(self.inputs, xs):
+                request.set_input_tensor(i, self._tensor(x, shared_memory=True))
+            self._bound = list(xs)            # (kept alive: the request reads their memory)
+        request.infer()
+        return [request.get_output_tensor(i).data for i in self.outputs]
+
+
+def _ports(ports, names) -> list[int]:
+    """The index of each of ``names`` among a compiled model's ``ports`` (by tensor name)."""
+    where = {n: i for i, port in enumerate(ports) for n in port.get_names()}
+    missing = [n for n in names if n not in where]
+    if missing:
+        raise NetError(f"OpenVINO's model has no tensor named {missing[0]!r}")
+    return [where[n] for n in names]
 
 
 def compiled(gm, example: list, dynamic: bool):
@@ -268,4 +347,33 @@ class ModuleOnnx:
 
     def __call__(self, x):
         outs = [torch.from_numpy(a) for a in self.session.run(None, {self.input: x.detach().contiguous().numpy()})]
+        return outs[0] if self.single else tuple(outs)
+
+
+class ModuleOpenVino:
+    """``to_torch``'s module (any batch) as ONNX compiled by OpenVINO, called as the module is
+    (one caller at a time: its infer request is locked)."""
+
+    name = "openvino"
+
+    def __init__(self, gm, threads: int, folder):
+        import pathlib
+        import threading
+
+        from ..deploy import export_onnx
+
+        ov = need_openvino()
+        path = pathlib.Path(folder) / "net.onnx"
+        with quiet_exporter():
+            export_onnx(gm, path, dynamic_batch=gm.dynamic_batch, opset=OPSET)
+        self.request = _ov_core().compile_model(str(path), "CPU", ov_config(threads)).create_infer_request()
+        self.tensor, self.lock = ov.Tensor, threading.Lock()
+        self.single = len(gm.output_names) == 1
+
+    def __call__(self, x):
+        x = x.detach().contiguous().numpy()
+        with self.lock:
+            self.request.set_input_tensor(0, self.tensor(x, shared_memory=True))
+            self.request.infer()
+            outs = [torch.from_numpy(t.data.copy()) for t in self.request.output_tensors]
         return outs[0] if self.single else tuple(outs)

@@ -33,7 +33,7 @@ class Net(core.Net):
     """pycaffe's ``caffe.Net``: ``Net(prototxt, phase, level=0, stages=(), weights=None)``, and
     the older orders ``Net(prototxt, phase)`` and ``Net(prototxt, weights, phase)``.
     ``engine``: what runs repeated whole forwards of a forward-only net (auto, eager, compiled,
-    onnxruntime, onnxruntime-1thread, onnxruntime-nospin, opencv: brewnet/execution/engines.py; default
+    onnxruntime, onnxruntime-1thread, onnxruntime-nospin, openvino, opencv: brewnet/execution/engines.py; default
     ``BREWNET_ENGINE``, else auto).
     ``precision="bf16"`` (opt-in, ``BREWNET_PRECISION``): those forwards in bfloat16 from the
     first call, on CPUs with AMX or AVX512-BF16; fp32 (Caffe's numbers) is the default."""
@@ -43,6 +43,8 @@ class Net(core.Net):
         self.precision = engines.precision_name(precision)
         if self.engine in runners.ORT_ENGINES:
             runners.need_onnxruntime()      # asked for by name: missing is the user's error now
+        elif self.engine == "openvino":
+            runners.need_openvino()
         refusal = runners.bf16_refusal() if self.precision == "bf16" else None
         if refusal:
             raise NetError(refusal)

@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
     p.add_argument("--label-blob", default="label", help="the blob holding the labels (default: label)")
     p.add_argument("--engine", default=None, metavar="E",
                    help="what runs the layers after the data layers: eager (default, or "
-                        "BREWNET_ENGINE: the net's own blobs bit for bit), auto, onnxruntime, "
+                        "BREWNET_ENGINE: the net's own blobs bit for bit), auto, onnxruntime, openvino, "
                         "opencv, compiled (as a deploy net: within float rounding; docs/deploy.md)")
     add_gpu_flag(p)
     add_net_state_flags(p)

@@ -68,7 +68,7 @@ def add_arguments(p) -> None:
     add_bool(p, "fold", "fold Convolution -> BatchNorm -> Scale chains (faster; float rounding)")
     p.add_argument("--engine", default=None, metavar="E",
                    help="auto (timed at start on the largest batch; default, or BREWNET_ENGINE), "
-                        "eager, compiled or onnxruntime")
+                        "eager, compiled, onnxruntime or openvino")
     add_bool(p, "access_log", "log every request")
     add_gpu_flag(p)
 

@@ -27,7 +27,7 @@ from .common import (
 
 COMMAND = "time"
 HELP = "benchmark a model: average forward/backward time per layer and in total (Caffe's 'caffe time')"
-TIMED_ENGINES = "eager,onnxruntime,onnxruntime-1thread,onnxruntime-nospin,opencv,compiled"   # --engines alone
+TIMED_ENGINES = "eager,onnxruntime,onnxruntime-1thread,onnxruntime-nospin,openvino,opencv,compiled"   # --engines alone
 log = logging.getLogger("brewnet")
 
 
