@@ -97,10 +97,10 @@ def test_the_cut_runs_the_trunk_in_a_graph_the_priors_once_and_nms_eagerly():
                         brewnet.TEST)) is None        # a graph holds the whole net
 
 
-@pytest.mark.parametrize("engine", ["eager", "onnxruntime", "onnxruntime-nospin", "opencv"])
+@pytest.mark.parametrize("engine", ["eager", "onnxruntime", "onnxruntime-nospin", "openvino", "opencv"])
 def test_each_engine_gives_the_eager_detections_on_a_cut_net(engine, monkeypatch):
     pytest.importorskip({"onnxruntime": "onnxruntime", "onnxruntime-nospin": "onnxruntime",
-                         "opencv": "cv2"}.get(engine, "torch"),
+                         "openvino": "openvino", "opencv": "cv2"}.get(engine, "torch"),
                         reason=f"engine {engine} is not installed")
     net = tiny(engine)
     rng = np.random.default_rng(0)
