@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from helpers import MODELS, SHARED, need
 CIFAR = MODELS / "bvlc/examples/cifar10/cifar10_quick.prototxt"
 LENET = MODELS / "bvlc/examples/mnist/lenet.prototxt"
 NSFW = SHARED / "caffe-models/trained/open_nsfw"
+MTCNN_ONET = Path(__file__).resolve().parents[1] / "benchmarks/zoo/nets/mtcnn_det3.prototxt"   # PReLU throughout
 CALLS = lean.AFTER + 5
 onnxruntime = pytest.importorskip("onnxruntime", reason="the onnx extra (pip install 'brewnet[onnx]')")
 
@@ -70,13 +72,15 @@ def twin(path, engine, weights=None, batch=None):
     return a, b
 
 
-@pytest.mark.parametrize("path", [CIFAR, LENET], ids=["cifar10_quick", "lenet"])
+@pytest.mark.parametrize("engine", ["onnxruntime", "openvino"])
+@pytest.mark.parametrize("path", [CIFAR, LENET, MTCNN_ONET], ids=["cifar10_quick", "lenet", "mtcnn_onet"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_onnxruntime_engine_gives_the_eager_outputs(path, batch):
-    net, eager = twin(path, "onnxruntime", batch=batch)
+def test_a_runtime_engine_gives_the_eager_outputs(engine, path, batch):
+    need_engine(engine)
+    net, eager = twin(path, engine, batch=batch)
     xs = inputs(net)
     got, want = outputs(net, xs), outputs(eager, xs)
-    assert isinstance(net._lean.engine, runners.OnnxRuntimeEngine)
+    assert net._lean.engine is not None and net._lean.engine.name == engine
     assert eager._lean.engine is None
     for g, w in zip(got, want):
         assert_close(g, w, engines.RTOL[torch.float32])
@@ -87,8 +91,11 @@ def test_onnxruntime_engine_gives_the_eager_outputs(path, batch):
 
 @pytest.mark.parametrize("engine, path, weights, kind", [
     ("onnxruntime", NSFW / "deploy.prototxt", NSFW / "resnet_50_1by2_nsfw.caffemodel", "OnnxRuntimeEngine"),
-    ("compiled", LENET, None, "CompiledEngine")], ids=["onnxruntime-trained-resnet", "compiled-lenet"])
+    ("openvino", NSFW / "deploy.prototxt", NSFW / "resnet_50_1by2_nsfw.caffemodel", "OpenVinoEngine"),
+    ("compiled", LENET, None, "CompiledEngine")],
+    ids=["onnxruntime-trained-resnet", "openvino-trained-resnet", "compiled-lenet"])
 def test_engine_gives_the_eager_outputs(engine, path, weights, kind):
+    need_engine(engine)
     net, eager = twin(need(path), engine, weights=weights)
     xs = inputs(net, lean.AFTER + 3)
     got, want = outputs(net, xs), outputs(eager, xs)
@@ -97,15 +104,17 @@ def test_engine_gives_the_eager_outputs(engine, path, weights, kind):
         assert_close(g, w, engines.RTOL[torch.float32])
 
 
-def test_an_engine_sees_weights_changed_after_it_was_built():
-    net, eager = twin(CIFAR, "onnxruntime")
+@pytest.mark.parametrize("engine", ["onnxruntime", "openvino"])
+def test_an_engine_sees_weights_changed_after_it_was_built(engine):
+    need_engine(engine)
+    net, eager = twin(CIFAR, engine)
     xs = inputs(net)
     outputs(net, xs)
     built = net._lean.engine
     for n in (net, eager):
         n.params["conv1"][0].data[...] *= 0.5          # net surgery, through numpy
     got, want = outputs(net, xs[:3]), outputs(eager, xs[:3])
-    assert net._lean.engine is not built and isinstance(net._lean.engine, runners.OnnxRuntimeEngine)
+    assert net._lean.engine is not built and net._lean.engine.name == engine
     for g, w in zip(got, want):
         assert_close(g, w, engines.RTOL[torch.float32])
 
