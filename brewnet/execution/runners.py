@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import operator
 import os
@@ -27,12 +28,16 @@ ORT_ENGINES = ("onnxruntime", ONE_THREAD, NO_SPIN)      # the engines that need 
 OPSET = 18
 
 
-def need_onnxruntime():
+def _need(module: str, engine: str, runtime: str, extra: str):
+    """``module`` imported, or a one-line error naming the extra that installs it."""
     try:
-        import onnxruntime
+        return importlib.import_module(module)
     except ImportError:
-        raise NetError("engine 'onnxruntime' needs ONNX Runtime: pip install 'brewnet[onnx]'") from None
-    return onnxruntime
+        raise NetError(f"engine '{engine}' needs {runtime}: pip install 'brewnet[{extra}]'") from None
+
+
+def need_onnxruntime():
+    return _need("onnxruntime", "onnxruntime", "ONNX Runtime", "onnx")
 
 
 _VERSION = operator.attrgetter("_version")
@@ -133,7 +138,7 @@ class OnnxRuntimeEngine:
             self.name, threads = ONE_THREAD, 1
         elif not spin:
             self.name = NO_SPIN
-        self.net, self.state, self.cut = net, WeightsWatch(net), cut
+        self.net, self.state = net, WeightsWatch(net)
         self.outputs = list(cut.outputs if cut is not None else net.outputs)
         opts = session_options(ort, threads, fixed=one_thread, spin=spin)
         self.session = from_onnx_file(net, cut, lambda path: ort.InferenceSession(
@@ -149,11 +154,7 @@ class OnnxRuntimeEngine:
 
 
 def need_openvino():
-    try:
-        import openvino
-    except ImportError:
-        raise NetError("engine 'openvino' needs OpenVINO: pip install 'brewnet[openvino]'") from None
-    return openvino
+    return _need("openvino", "openvino", "OpenVINO", "openvino")
 
 
 @functools.cache
@@ -161,14 +162,14 @@ def _ov_core():
     return need_openvino().Core()
 
 
-def ov_config(threads: int, fixed: bool = False) -> dict:
+def ov_config(threads: int) -> dict:
     """OpenVINO's CPU plugin set for one caller's latency, in float32 always (on a CPU with AMX
     or AVX512-BF16 it would otherwise run in bfloat16: not Caffe's numbers), on ``threads``
-    where the user fixed a thread count or ``fixed`` asks, else its default (the cores)."""
+    where the user fixed a thread count, else its default (the cores)."""
     from .threads import user_threads
 
     config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"}
-    if fixed or user_threads():
+    if user_threads():
         config["INFERENCE_NUM_THREADS"] = threads
     return config
 
@@ -185,7 +186,7 @@ class OpenVinoEngine:
 
     def __init__(self, net, threads: int, cut=None):
         ov = need_openvino()
-        self.net, self.state, self.cut, self._tensor = net, WeightsWatch(net), cut, ov.Tensor
+        self.net, self.state, self._tensor = net, WeightsWatch(net), ov.Tensor
         config = ov_config(threads)
         model = from_onnx_file(net, cut, lambda path: _ov_core().compile_model(str(path), "CPU", config))
         self.request = model.create_infer_request()
@@ -325,20 +326,27 @@ def bf16_refusal() -> str | None:
     return None
 
 
+def module_onnx(gm, folder):
+    """``to_torch``'s module ``gm`` exported to ``folder``/net.onnx (its batch dynamic where
+    the module's is), the path returned."""
+    import pathlib
+
+    from ..deploy import export_onnx
+
+    path = pathlib.Path(folder) / "net.onnx"
+    with quiet_exporter():
+        export_onnx(gm, path, dynamic_batch=gm.dynamic_batch, opset=OPSET)
+    return path
+
+
 class ModuleOnnx:
     """``to_torch``'s module (any batch) as ONNX in ONNX Runtime, called as the module is."""
 
     name = "onnxruntime"
 
     def __init__(self, gm, threads: int, folder, one_thread: bool = False, spin: bool = True):
-        import pathlib
-
-        from ..deploy import export_onnx
-
         ort = need_onnxruntime()
-        path = pathlib.Path(folder) / "net.onnx"
-        with quiet_exporter():
-            export_onnx(gm, path, dynamic_batch=gm.dynamic_batch, opset=OPSET)
+        path = module_onnx(gm, folder)
         self.session = ort.InferenceSession(str(path), session_options(ort, 1 if one_thread else threads,
                                                                        fixed=one_thread, spin=spin),
                                             providers=["CPUExecutionProvider"])
@@ -357,15 +365,10 @@ class ModuleOpenVino:
     name = "openvino"
 
     def __init__(self, gm, threads: int, folder):
-        import pathlib
         import threading
 
-        from ..deploy import export_onnx
-
         ov = need_openvino()
-        path = pathlib.Path(folder) / "net.onnx"
-        with quiet_exporter():
-            export_onnx(gm, path, dynamic_batch=gm.dynamic_batch, opset=OPSET)
+        path = module_onnx(gm, folder)
         self.request = _ov_core().compile_model(str(path), "CPU", ov_config(threads)).create_infer_request()
         self.tensor, self.lock = ov.Tensor, threading.Lock()
         self.single = len(gm.output_names) == 1
