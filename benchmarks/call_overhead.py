@@ -1,9 +1,11 @@
 """What a pycaffe forward costs around its engine, on nets whose call is under a millisecond.
 
     python benchmarks/call_overhead.py [--nets lenet,mtcnn_det2,mtcnn_det3,...] [--rounds 15]
+                                       [--engines auto,openvino,opencv]
 
-For each corpus net (benchmarks/zoo/corpus.py, weights drawn as zoo.py draws them) at batch 1,
-in one process: a pycaffe ``Net`` at the defaults is called until ``auto`` has picked its engine;
+For each corpus net (benchmarks/zoo/corpus.py, weights drawn as zoo.py draws them) at batch 1
+and each of ``--engines`` (default: auto), in one process: a pycaffe ``Net`` on that engine is
+called until it runs on it (``auto``: until it has picked);
 then, interleaved in blocks of ~50 ms, median of ``--rounds``: the engine alone on the input
 (``engine.arrays``: what a user of that runtime pays, bar its own Python wrapper), brewnet's
 ``net.forward(data=x)`` (the direct steady call, ``LeanForward.direct``), and the same forward
@@ -24,7 +26,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 NETS = "lenet,cifar10_quick,mtcnn_det2,mtcnn_det3,vanilla_landmarks"
 
 
-def one(name: str, rounds: int) -> dict:
+def one(name: str, rounds: int, engine: str = "auto") -> dict:
     import brewnet
     import zoo
     from brewnet.pycaffe import Net
@@ -32,7 +34,7 @@ def one(name: str, rounds: int) -> dict:
     entry = next(e for e in zoo.corpus().NETS if e["name"] == name)
     with tempfile.TemporaryDirectory(prefix="call-overhead-") as d:
         path, weights, xs, _ = zoo.prepare(entry, 1, Path(d))
-        net = Net(str(path), brewnet.TEST, weights=str(weights))
+        net = Net(str(path), brewnet.TEST, weights=str(weights), engine=engine)
         for n, x in xs.items():
             net.blobs[n].reshape(*x.shape)
         net.reshape()
@@ -69,10 +71,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nets", default=NETS)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--engines", default="auto", help="engines to run each net on (default: auto)")
     a = p.parse_args()
     print(f"{'net':20} {'engine':>20} {'engine alone':>13} {'brewnet':>9} {'general':>9} {'around us':>10}")
-    for name in a.nets.split(","):
-        r = one(name, a.rounds)
+    for name, engine in [(n, e) for n in a.nets.split(",") for e in a.engines.split(",")]:
+        r = one(name, a.rounds, engine)
         ms = r["ms"]
         if not ms:
             print(f"{name:20} {r['engine']:>20}  (no direct call: not on an engine with numpy I/O)")
